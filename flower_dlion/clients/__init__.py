@@ -1,0 +1,1 @@
+"""Client logic of flower-dlion (ClientApp handlers)."""

@@ -1,0 +1,212 @@
+"""The Distributed Lion client: replica and momentum in ``context.state``, packed δ out.
+
+One ``train`` message, in order:
+
+1. bring the replica x to the server's version: take the full model, or apply the
+   received Δs (``x ← x − lr·(Δ + wd·x)``, the same function the server uses);
+2. compute the gradient g of the loss at x on ``batch-size`` samples of the partition;
+3. δ = sign(β₁·m + (1−β₁)·g), then m ← β₂·m + (1−β₂)·g (``lion.local_step_``);
+4. pack δ to one bit per parameter on the device and reply with it, the loss, the
+   number of examples, the replica's version and its checksum;
+5. store x, m and the version back in ``context.state``.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+
+from .. import codec, lion
+from ..config import read_config
+from ..data import load_fashion_mnist, partition_indices, sample_batch, to_tensor
+from ..model import Net, layout, load_flat_, num_parameters
+from ..protocol import CONFIG, DELTA, LEVELS_STYPE, METRICS, SIGN_STYPE, UPDATE, bits_array, checksum
+
+__all__ = ["ClientStateError", "ReplicaState", "apply_message", "load_state", "resolve_device", "save_state", "train"]
+
+STATE_ARRAYS = "dlion.state"
+STATE_META = "dlion.state-meta"
+
+
+class ClientStateError(RuntimeError):
+    """The node's stored state cannot serve the message it received."""
+
+
+@dataclass
+class ReplicaState:
+    """A client's persistent Distributed Lion state."""
+
+    x: torch.Tensor  # replica of the global parameters, float32 (d,)
+    m: torch.Tensor  # Lion momentum, float32 (d,)
+    version: int  # number of Δs applied to x since the start
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` → CUDA when available, else CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ClientStateError("device 'cuda' requested but torch.cuda.is_available() is False on this node")
+    return torch.device(name)
+
+
+def load_state(context: Context, d: int, device: torch.device) -> ReplicaState | None:
+    """The stored state, or None for a node that has none yet.
+
+    Raises
+    ------
+    ClientStateError
+        When a state exists but is incomplete or has the wrong size.
+
+    """
+    if STATE_ARRAYS not in context.state and STATE_META not in context.state:
+        return None
+    try:
+        arrays = context.state[STATE_ARRAYS]
+        meta = context.state[STATE_META]
+        x, m = arrays["x"].numpy(), arrays["m"].numpy()
+        version = int(meta["version"])
+    except Exception as err:
+        raise ClientStateError(f"node {context.node_id}: stored state is incomplete ({err!r})") from err
+    if x.shape != (d,) or m.shape != (d,):
+        raise ClientStateError(f"node {context.node_id}: stored state has {x.shape}/{m.shape} values, model has d={d}")
+    return ReplicaState(torch.from_numpy(x.copy()).to(device), torch.from_numpy(m.copy()).to(device), version)
+
+
+def save_state(context: Context, state: ReplicaState) -> None:
+    """Store x, m and the version in ``context.state`` (kept by Flower across rounds)."""
+    context.state[STATE_ARRAYS] = ArrayRecord(
+        {"x": Array(state.x.detach().cpu().numpy()), "m": Array(state.m.detach().cpu().numpy())}
+    )
+    context.state[STATE_META] = ConfigRecord({"version": state.version})
+
+
+def apply_message(
+    content: RecordDict, state: ReplicaState | None, d: int, device: torch.device, node_id: int, model_layout: str
+) -> ReplicaState:
+    """Bring the replica to the version the server sent (full model or Δ chain)."""
+    cfg = content[CONFIG]
+    kind, version = cfg["kind"], int(cfg["version"])
+    if kind == "full":
+        if cfg.get("layout", model_layout) != model_layout:
+            raise ClientStateError(f"node {node_id}: server model layout {cfg['layout']} != client's {model_layout}")
+        payload = content[UPDATE]["payload"].numpy()
+        if payload.shape != (d,) or payload.dtype != np.float32:
+            raise ClientStateError(
+                f"node {node_id}: full model has {payload.shape} {payload.dtype}, expected ({d},) float32"
+            )
+        x = torch.from_numpy(payload.copy()).to(device)
+        m = state.m if state is not None else torch.zeros(d, device=device)  # a resync keeps its momentum
+        return ReplicaState(x, m, version)
+    if state is None:
+        raise ClientStateError(
+            f"node {node_id} has no replica (new node, or its state was lost) but received kind={kind!r}; "
+            "the server must send the full model"
+        )
+    base = int(cfg["base-version"])
+    if state.version != base:
+        raise ClientStateError(f"node {node_id}: replica at version {state.version}, update is for version {base}")
+    if kind == "deltas":
+        arr = content[UPDATE]["payload"]
+        if arr.stype != LEVELS_STYPE:
+            raise ClientStateError(f"node {node_id}: update stype {arr.stype!r}, expected {LEVELS_STYPE!r}")
+        buf = torch.frombuffer(bytearray(arr.data), dtype=torch.uint8).to(device)  # packed bytes go to the device
+        offset = 0
+        for num_levels, lr, wd in zip(cfg["num-levels"], cfg["lr"], cfg["weight-decay"], strict=True):
+            size = codec.encoded_size(d, num_levels)
+            levels = codec.decode_levels(buf[offset : offset + size], num_levels, d)
+            lion.apply_update_(state.x, codec.levels_to_values(levels, num_levels), lr, wd)
+            offset += size
+        if offset != buf.numel():
+            raise ClientStateError(f"node {node_id}: update has {buf.numel()} bytes, its Δs use {offset}")
+    elif kind != "none":
+        raise ClientStateError(f"node {node_id}: unknown update kind {kind!r}")
+    state.version = version
+    return state
+
+
+@functools.lru_cache(maxsize=4)
+def _partition(data_dir: str, partitioner: str, num_partitions: int, alpha: float, seed: int, cpp: int) -> tuple:
+    ds = load_fashion_mnist(data_dir)
+    parts = partition_indices(
+        ds.y_train,
+        partitioner=partitioner,
+        num_partitions=num_partitions,
+        alpha=alpha,
+        seed=seed,
+        classes_per_partition=cpp,
+    )
+    return ds, parts
+
+
+def _partition_id(context: Context) -> tuple[int, int]:
+    try:
+        return int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
+    except KeyError as err:
+        raise ClientStateError(
+            f"node {context.node_id}: node config needs 'partition-id' and 'num-partitions' "
+            '(simulation sets them; for a SuperNode pass --node-config "partition-id=0 num-partitions=N")'
+        ) from err
+
+
+def train(msg: Message, context: Context) -> Message:
+    """Handle one ``train`` message (see the module docstring for the steps)."""
+    settings = read_config(context.run_config)
+    cfg = msg.content[CONFIG]
+    device = resolve_device(settings["device"])
+    model = Net().to(device)
+    d = num_parameters(model)
+
+    state = apply_message(
+        msg.content, load_state(context, d, device), d, device, context.node_id, layout(model)
+    )  # 1. replica up to date
+
+    pid, num_partitions = _partition_id(context)
+    ds, parts = _partition(
+        settings["data-dir"],
+        settings["partitioner"],
+        num_partitions,
+        settings["alpha"],
+        settings["seed"],
+        settings["classes-per-partition"],
+    )
+    server_round, seed = int(cfg["server-round"]), int(cfg.get("seed", settings["seed"]))
+    rows = sample_batch(
+        parts[pid],
+        int(cfg.get("batch-size", settings["batch-size"])),
+        seed=seed,
+        partition_id=pid,
+        server_round=server_round,
+    )
+    images, labels = to_tensor(ds.x_train[rows]).to(device), torch.from_numpy(ds.y_train[rows]).to(device)
+
+    load_flat_(model, state.x)  # 2. gradient at x
+    loss = F.cross_entropy(model(images), labels)
+    params = [p for p in model.parameters() if p.requires_grad]
+    grad = torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, params)])
+
+    delta = lion.local_step_(state.m, grad, float(cfg["beta1"]), float(cfg["beta2"]))  # 3. δ, then m
+    coin_seed = int(np.random.SeedSequence([seed, pid, server_round]).generate_state(1)[0])
+    gen = torch.Generator(device=device).manual_seed(coin_seed)  # coin flips for exact zeros
+    packed = codec.pack_signs(delta, generator=gen)  # 4. one bit per parameter, on the device
+
+    reply = RecordDict(
+        {
+            DELTA: ArrayRecord({"signs": bits_array(packed, d, SIGN_STYPE)}),
+            METRICS: MetricRecord(
+                {
+                    "num-examples": int(rows.size),
+                    "train-loss": float(loss.detach()),
+                    "version": state.version,
+                    "checksum": checksum(state.x),
+                }
+            ),
+        }
+    )
+    save_state(context, state)  # 5. persist for the next round
+    return Message(content=reply, reply_to=msg)

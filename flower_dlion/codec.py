@@ -1,0 +1,215 @@
+"""Bit codec for Distributed Lion: what a sign vector and a broadcast Δ look like on the wire.
+
+Imports torch and numpy only (never flwr), so it runs on a GPU box, in a benchmark, or
+on the server alike. Every function is device-agnostic: it runs where its input tensor
+lives, so a CUDA client packs on the GPU and ships only the packed bytes to the host.
+
+Formats (``d`` values, bytes in big-endian bit order, the same layout as
+``numpy.packbits(..., bitorder="big")``):
+
+============  ==========================  ==========================================
+stype         values                      size in bytes
+============  ==========================  ==========================================
+``sign1``     {-1, +1}: bit 1 means +1    ⌈d/8⌉
+``trit5``     3 levels, 5 per byte (3⁵≤256)  ⌈d/5⌉            (1.6 bits/value)
+``planesB``   2ᴮ levels, B bit planes     B·⌈d/8⌉          (B bits/value)
+============  ==========================  ==========================================
+
+A broadcast Δ is sent as integer *levels* ``k ∈ {0, …, L-1}`` with
+``Δ = (2k − (L−1)) / (L−1)``: the vote uses L = 3 ({-1, 0, +1}) or L = 2 when no tie is
+possible (odd number of voters), the mean over n votes uses L = n + 1. The smallest of
+the formats above that fits L is used (:func:`level_format`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+__all__ = [
+    "SIGN1",
+    "TRIT5",
+    "count_ones",
+    "decode_levels",
+    "encode_levels",
+    "encoded_size",
+    "level_format",
+    "levels_to_values",
+    "pack_bits",
+    "pack_signs",
+    "packed_size",
+    "unpack_bits",
+    "unpack_signs",
+]
+
+SIGN1 = "sign1"
+TRIT5 = "trit5"
+
+_SHIFTS = (7, 6, 5, 4, 3, 2, 1, 0)  # bit j of a byte holds element j (MSB first)
+_POW3 = (1, 3, 9, 27, 81)
+
+
+def packed_size(d: int) -> int:
+    """Bytes needed for ``d`` bits: ⌈d/8⌉."""
+    return (d + 7) // 8
+
+
+def _as_uint8_tensor(buf: torch.Tensor | bytes | np.ndarray) -> torch.Tensor:
+    """View received bytes as a 1-D uint8 tensor without copying where possible."""
+    if isinstance(buf, torch.Tensor):
+        if buf.dtype != torch.uint8 or buf.dim() != 1:
+            raise ValueError(f"packed data must be a 1-D uint8 tensor, got {buf.dtype} {tuple(buf.shape)}")
+        return buf
+    if isinstance(buf, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(buf, dtype=np.uint8).reshape(-1))
+    if len(buf) == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(buf), dtype=torch.uint8)
+
+
+def pack_bits(bits: torch.Tensor) -> torch.Tensor:
+    """Pack a 1-D boolean tensor into ⌈d/8⌉ bytes (MSB first), on the tensor's device."""
+    d = bits.numel()
+    b = bits.reshape(-1).to(torch.uint8)
+    if d % 8:
+        b = torch.cat([b, b.new_zeros(8 - d % 8)])
+    b = b.view(-1, 8)
+    out = b[:, 0] << 7
+    for j in range(1, 8):
+        out |= b[:, j] << _SHIFTS[j]
+    return out
+
+
+def unpack_bits(packed: torch.Tensor | bytes | np.ndarray, d: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: the first ``d`` bits as a boolean tensor."""
+    p = _as_uint8_tensor(packed)
+    if p.numel() != packed_size(d):
+        raise ValueError(f"expected {packed_size(d)} packed bytes for {d} bits, got {p.numel()}")
+    shifts = torch.tensor(_SHIFTS, dtype=torch.uint8, device=p.device)
+    return ((p.unsqueeze(1) >> shifts) & 1).view(-1)[:d].bool()
+
+
+def pack_signs(v: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Pack the signs of ``v`` into ⌈d/8⌉ bytes: bit 1 for v > 0, bit 0 for v < 0.
+
+    Exact zeros have no 1-bit code. Sending them all as one fixed side would push every
+    such parameter the same way each round, so each zero is sent as a fair coin flip
+    drawn from ``generator`` (unbiased; seed it for reproducible runs).
+    """
+    v = v.reshape(-1)
+    bits = v > 0
+    zeros = v == 0
+    if bool(zeros.any()):
+        coin = torch.randint(0, 2, (v.numel(),), generator=generator, device=v.device, dtype=torch.uint8)
+        bits = torch.where(zeros, coin.bool(), bits)
+    return pack_bits(bits)
+
+
+def unpack_signs(packed: torch.Tensor | bytes | np.ndarray, d: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of :func:`pack_signs`: a tensor of ±1 of length ``d``."""
+    return unpack_bits(packed, d).to(dtype) * 2 - 1
+
+
+def count_ones(payloads: Sequence[torch.Tensor | bytes | np.ndarray], d: int) -> torch.Tensor:
+    """Per-coordinate number of 1 bits (votes for +1) over packed sign payloads.
+
+    Memory is O(d) besides the payloads: one counter vector, never an n × d array.
+    The vote sum is ``S = 2·count_ones(...) − n``.
+    """
+    n = len(payloads)
+    dtype = torch.int16 if n < 2**15 else torch.int32
+    counts = None
+    for p in payloads:
+        bits = unpack_bits(p, d)
+        counts = bits.to(dtype) if counts is None else counts.add_(bits)
+    if counts is None:
+        return torch.zeros(d, dtype=torch.int32)
+    return counts.to(torch.int32)
+
+
+def level_format(num_levels: int) -> tuple[str, int]:
+    """The format used for ``num_levels`` levels and its bits per value (or 0 for trit5)."""
+    if num_levels < 2:
+        raise ValueError(f"num_levels must be >= 2, got {num_levels}")
+    if num_levels == 2:
+        return SIGN1, 1
+    if num_levels == 3:
+        return TRIT5, 0
+    b = math.ceil(math.log2(num_levels))
+    return f"planes{b}", b
+
+
+def encoded_size(d: int, num_levels: int) -> int:
+    """Bytes used by :func:`encode_levels` for ``d`` values of ``num_levels`` levels."""
+    fmt, b = level_format(num_levels)
+    if fmt == TRIT5:
+        return (d + 4) // 5
+    return b * packed_size(d)
+
+
+def encode_levels(k: torch.Tensor, num_levels: int) -> torch.Tensor:
+    """Encode integer levels ``k ∈ {0, …, num_levels−1}`` into bytes (see module doc)."""
+    k = k.reshape(-1)
+    d = k.numel()
+    fmt, b = level_format(num_levels)
+    if fmt == SIGN1:
+        return pack_bits(k > 0)
+    if fmt == TRIT5:
+        t = k.to(torch.uint8)
+        if d % 5:
+            t = torch.cat([t, t.new_zeros(5 - d % 5)])
+        t = t.view(-1, 5)
+        out = t[:, 0].clone()
+        for j in range(1, 5):
+            out += t[:, j] * _POW3[j]
+        return out
+    k = k.to(torch.int32)
+    return torch.cat([pack_bits(((k >> j) & 1).bool()) for j in range(b)])
+
+
+_TRIT_LUT_CACHE: dict[torch.device, torch.Tensor] = {}
+
+
+def _trit_lut(device: torch.device) -> torch.Tensor:
+    """256 × 5 table: the five base-3 digits of every byte value."""
+    if device not in _TRIT_LUT_CACHE:
+        byte = torch.arange(256, dtype=torch.int32)
+        digits = torch.stack([(byte // p) % 3 for p in _POW3], dim=1).to(torch.uint8)
+        _TRIT_LUT_CACHE[device] = digits.to(device)
+    return _TRIT_LUT_CACHE[device]
+
+
+def decode_levels(buf: torch.Tensor | bytes | np.ndarray, num_levels: int, d: int) -> torch.Tensor:
+    """Inverse of :func:`encode_levels`: ``d`` integer levels (int32)."""
+    p = _as_uint8_tensor(buf)
+    if p.numel() != encoded_size(d, num_levels):
+        raise ValueError(
+            f"expected {encoded_size(d, num_levels)} bytes for {d} values of {num_levels} levels, got {p.numel()}"
+        )
+    fmt, b = level_format(num_levels)
+    if fmt == SIGN1:
+        return unpack_bits(p, d).to(torch.int32)
+    if fmt == TRIT5:
+        if bool((p > 242).any()):
+            raise ValueError("trit5 byte above 242 (3^5 - 1): corrupted payload")
+        return _trit_lut(p.device)[p.long()].view(-1)[:d].to(torch.int32)
+    n8 = packed_size(d)
+    k = torch.zeros(d, dtype=torch.int32, device=p.device)
+    for j in range(b):
+        k |= unpack_bits(p[j * n8 : (j + 1) * n8], d).to(torch.int32) << j
+    if bool((k >= num_levels).any()):
+        raise ValueError(f"level above {num_levels - 1}: corrupted payload")
+    return k
+
+
+def levels_to_values(k: torch.Tensor, num_levels: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Map levels to update values: ``Δ = (2k − (L−1)) / (L−1)``.
+
+    The numerator is an exact integer and the one division is correctly rounded, so the
+    server and every client (CPU or GPU) get bit-identical Δ from the same levels.
+    """
+    top = num_levels - 1
+    return (2 * k.to(torch.int32) - top).to(dtype) / top

@@ -1,0 +1,88 @@
+"""The shipped model: a small CNN for 28×28 grey images, without BatchNorm.
+
+Lion updates trainable parameters only; a model with float buffers (BatchNorm running
+statistics) would need them synchronized separately, so the shipped model has none.
+Parameters are flattened in ``named_parameters()`` order; :func:`layout` names that
+order so a server and a client can check that they agree before exchanging bits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["Net", "evaluate", "flat_parameters", "layout", "layout_fingerprint", "load_flat_", "num_parameters"]
+
+
+class Net(nn.Module):
+    """conv5×5(16) → pool → conv5×5(32) → pool → fc(512) → fc(10); 281,034 parameters."""
+
+    def __init__(self, num_classes: int = 10) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(1, 16, 5),
+            nn.SiLU(),
+            nn.MaxPool2d(2),  # 28 → 24 → 12
+            nn.Conv2d(16, 32, 5),
+            nn.SiLU(),
+            nn.MaxPool2d(2),  # 12 → 8 → 4
+        )
+        self.classifier = nn.Sequential(
+            nn.Flatten(), nn.Linear(32 * 4 * 4, 512), nn.SiLU(), nn.Linear(512, num_classes)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits for a batch of shape (B, 1, 28, 28)."""
+        return self.classifier(self.features(x))
+
+
+def num_parameters(model: nn.Module) -> int:
+    """Number of trainable scalars d."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def layout_fingerprint(names_and_shapes: Iterable[tuple[str, Sequence[int]]]) -> str:
+    """A short fingerprint of parameter names, shapes and their order (sha256 prefix)."""
+    desc = ";".join(f"{name}:{tuple(int(s) for s in shape)}" for name, shape in names_and_shapes)
+    return hashlib.sha256(desc.encode()).hexdigest()[:16]
+
+
+def layout(model: nn.Module) -> str:
+    """:func:`layout_fingerprint` of the model's trainable parameters."""
+    return layout_fingerprint((name, p.shape) for name, p in model.named_parameters() if p.requires_grad)
+
+
+def flat_parameters(model: nn.Module) -> torch.Tensor:
+    """All trainable parameters as one flat float32 vector (a copy)."""
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters() if p.requires_grad]).float()
+
+
+def load_flat_(model: nn.Module, x: torch.Tensor) -> None:
+    """Copy the flat vector ``x`` into the model's trainable parameters."""
+    offset = 0
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                n = p.numel()
+                p.copy_(x[offset : offset + n].view_as(p))
+                offset += n
+    if offset != x.numel():
+        raise ValueError(f"flat vector has {x.numel()} values, the model has {offset} parameters")
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module, images: torch.Tensor, labels: torch.Tensor, batch_size: int = 2000
+) -> tuple[float, float]:
+    """Mean cross-entropy loss and accuracy of ``model`` on a labelled set."""
+    model.eval()
+    total_loss, correct = 0.0, 0
+    for i in range(0, labels.numel(), batch_size):
+        logits = model(images[i : i + batch_size])
+        y = labels[i : i + batch_size]
+        total_loss += float(nn.functional.cross_entropy(logits, y, reduction="sum"))
+        correct += int((logits.argmax(1) == y).sum())
+    return total_loss / labels.numel(), correct / labels.numel()

@@ -1,0 +1,5 @@
+"""Flower strategies of flower-dlion."""
+
+from .dlion import DistributedLion, RejectedReply
+
+__all__ = ["DistributedLion", "RejectedReply"]

@@ -1,0 +1,116 @@
+"""Bit codec: exact round trips, exact sizes, numpy-compatible layout."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flower_dlion import codec
+
+
+@settings(max_examples=200, deadline=None)
+@given(d=st.integers(1, 100_000), seed=st.integers(0, 2**31 - 1))
+def test_sign_round_trip_any_length(d: int, seed: int) -> None:
+    # Prepare
+    signs = torch.where(torch.rand(d, generator=torch.Generator().manual_seed(seed)) < 0.5, -1.0, 1.0)
+    # Execute
+    packed = codec.pack_signs(signs)
+    # Assert
+    assert packed.dtype == torch.uint8
+    assert packed.numel() == (d + 7) // 8
+    assert torch.equal(codec.unpack_signs(packed, d), signs)
+    assert torch.equal(codec.unpack_signs(packed.numpy().tobytes(), d), signs)
+
+
+@given(d=st.integers(1, 4096))
+def test_layout_matches_numpy_packbits(d: int) -> None:
+    bits = torch.rand(d, generator=torch.Generator().manual_seed(d)) < 0.5
+    assert np.array_equal(codec.pack_bits(bits).numpy(), np.packbits(bits.numpy(), bitorder="big"))
+
+
+def test_pack_bits_hand_computed() -> None:
+    # +1 −1 −1 −1 −1 −1 −1 +1 | +1 +1 (padding zeros)
+    v = torch.tensor([1.0, -1, -1, -1, -1, -1, -1, 1, 1, 1])
+    assert codec.pack_signs(v).tolist() == [0b1000_0001, 0b1100_0000]
+
+
+def test_zeros_are_coin_flips_not_one_side() -> None:
+    zeros = torch.zeros(80_000)
+    bits = codec.unpack_bits(codec.pack_signs(zeros, torch.Generator().manual_seed(0)), zeros.numel())
+    assert 0.49 < bits.float().mean().item() < 0.51  # unbiased, not all one way
+    again = codec.unpack_bits(codec.pack_signs(zeros, torch.Generator().manual_seed(0)), zeros.numel())
+    assert torch.equal(bits, again)  # reproducible with the same generator
+    nonzero = torch.tensor([-2.0, 0.5, -0.1, 3.0])  # no zeros: the generator is never used
+    assert codec.unpack_signs(codec.pack_signs(nonzero), 4).tolist() == [-1.0, 1.0, -1.0, 1.0]
+
+
+def test_unpack_rejects_wrong_length() -> None:
+    with pytest.raises(ValueError, match="expected 2 packed bytes for 9 bits, got 3"):
+        codec.unpack_bits(bytes(3), 9)
+
+
+@settings(max_examples=150, deadline=None)
+@given(d=st.integers(1, 20_000), num_levels=st.integers(2, 70), seed=st.integers(0, 1000))
+def test_levels_round_trip_and_size(d: int, num_levels: int, seed: int) -> None:
+    k = torch.randint(0, num_levels, (d,), generator=torch.Generator().manual_seed(seed))
+    encoded = codec.encode_levels(k, num_levels)
+    assert encoded.numel() == codec.encoded_size(d, num_levels)
+    assert torch.equal(codec.decode_levels(encoded.numpy().tobytes(), num_levels, d), k.to(torch.int32))
+
+
+@pytest.mark.parametrize(
+    ("num_levels", "d", "size"),
+    [(2, 10, 2), (3, 10, 2), (3, 11, 3), (3, 100_000, 20_000), (5, 10, 6), (11, 16, 8), (11, 17, 12)],
+)
+def test_encoded_sizes(num_levels: int, d: int, size: int) -> None:
+    # 2 levels: 1 bit; 3 levels: 5 per byte (1.6 bits); L > 3: ⌈log2 L⌉ bit planes of ⌈d/8⌉ bytes
+    assert codec.encoded_size(d, num_levels) == size
+
+
+def test_mean_bits_per_value_is_ceil_log2_n_plus_1() -> None:
+    d = 80_000
+    for n in (1, 2, 3, 4, 7, 8, 10, 16, 31, 32):
+        bits = 8 * codec.encoded_size(d, n + 1) / d
+        expected = 1.6 if n == 2 else np.ceil(np.log2(n + 1))
+        assert bits == pytest.approx(expected)
+
+
+def test_trit5_hand_computed() -> None:
+    # levels 2,0,1,1,2 → 2 + 0·3 + 1·9 + 1·27 + 2·81 = 200
+    assert codec.encode_levels(torch.tensor([2, 0, 1, 1, 2]), 3).tolist() == [200]
+    with pytest.raises(ValueError, match="above 242"):
+        codec.decode_levels(bytes([250]), 3, 5)
+
+
+def test_corrupted_planes_are_rejected() -> None:
+    # 5 levels use 3 bit planes; level 7 cannot occur
+    bad = codec.encode_levels(torch.tensor([7, 0, 0]), 8)
+    with pytest.raises(ValueError, match="level above 4"):
+        codec.decode_levels(bad, 5, 3)
+
+
+def test_levels_to_values() -> None:
+    assert codec.levels_to_values(torch.tensor([0, 1]), 2).tolist() == [-1.0, 1.0]
+    assert codec.levels_to_values(torch.tensor([0, 1, 2]), 3).tolist() == [-1.0, 0.0, 1.0]
+    assert codec.levels_to_values(torch.tensor([0, 1, 2, 3, 4]), 5).tolist() == [-1.0, -0.5, 0.0, 0.5, 1.0]
+
+
+def test_count_ones_hand_computed() -> None:
+    a = codec.pack_signs(torch.tensor([1.0, 1, -1, -1, 1, -1, 1, -1, 1]))
+    b = codec.pack_signs(torch.tensor([1.0, -1, -1, 1, 1, -1, -1, -1, 1]))
+    c = codec.pack_signs(torch.tensor([-1.0, -1, -1, 1, 1, 1, 1, -1, 1]))
+    counts = codec.count_ones([a, b.numpy().tobytes(), c.numpy()], 9)
+    assert counts.tolist() == [2, 1, 0, 2, 3, 1, 2, 0, 3]
+    assert codec.count_ones([], 4).tolist() == [0, 0, 0, 0]
+
+
+def test_codec_imports_no_flwr() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, flower_dlion.codec, flower_dlion.lion; print('flwr' in sys.modules)"
+    assert (
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+        == "False"
+    )

@@ -1,0 +1,157 @@
+"""Whole federations through the real ClientApp, with every message and context serialized.
+
+Uses ``LocalGrid`` (in-process, no Ray) on real Fashion-MNIST.
+"""
+
+import json
+import logging
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from flwr.app import ArrayRecord, ConfigRecord, Message
+
+from flower_dlion.client_app import app as client_app
+from flower_dlion.clients.dlion import STATE_ARRAYS, apply_message, load_state
+from flower_dlion.config import read_config
+from flower_dlion.data import load_fashion_mnist, partition_indices, sample_batch, to_tensor
+from flower_dlion.local_grid import LocalGrid
+from flower_dlion.model import Net, flat_parameters, layout, load_flat_
+from flower_dlion.protocol import DELTA
+from flower_dlion.server_app import run_federation
+from flower_dlion.strategies import DistributedLion
+
+RUN_CONFIG = {"partitioner": "iid", "batch-size": 16}
+LR, WD, B1, B2 = 0.01, 0.1, 0.9, 0.99
+
+
+def initial_arrays() -> tuple[Net, ArrayRecord]:
+    torch.manual_seed(0)
+    model = Net()
+    return model, ArrayRecord(model.state_dict())
+
+
+def run_rounds(strategy: DistributedLion, grid: LocalGrid, rounds: int, start: int = 1) -> None:
+    _, arrays = initial_arrays()
+    for rnd in range(start, start + rounds):
+        replies = grid.send_and_receive(
+            strategy.configure_train(rnd, arrays, ConfigRecord({"batch-size": 16, "seed": 0}), grid)
+        )
+        strategy.aggregate_train(rnd, replies)
+
+
+def gradient(x: torch.Tensor, pid: int, num_partitions: int, rnd: int) -> torch.Tensor:
+    """The gradient a client computes in round ``rnd``, recomputed independently."""
+    ds = load_fashion_mnist()
+    parts = partition_indices(ds.y_train, partitioner="iid", num_partitions=num_partitions)
+    rows = sample_batch(parts[pid], 16, seed=0, partition_id=pid, server_round=rnd)
+    model = Net()
+    load_flat_(model, x.float())
+    loss = F.cross_entropy(model(to_tensor(ds.x_train[rows])), torch.from_numpy(ds.y_train[rows]))
+    return torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, list(model.parameters()))])
+
+
+@pytest.mark.parametrize("how", ["vote", "mean"])
+def test_one_client_is_exactly_single_worker_lion(how: str) -> None:
+    # Prepare
+    grid = LocalGrid(client_app, 1, run_config=RUN_CONFIG)
+    strategy = DistributedLion(aggregation=how, lr=LR, weight_decay=WD, min_train_nodes=1, min_available_nodes=1)
+    model, _ = initial_arrays()
+    x_ref = flat_parameters(model).double().numpy()
+    m_ref = np.zeros_like(x_ref)
+    # Execute: five rounds of D-Lion
+    run_rounds(strategy, grid, 5)
+    # Assert: single-worker Lion from the formula (SPEC §1), in float64
+    for rnd in range(1, 6):
+        g = gradient(torch.from_numpy(x_ref), 0, 1, rnd).double().numpy()
+        x_ref = x_ref - LR * (np.sign(B1 * m_ref + (1 - B1) * g) + WD * x_ref)
+        m_ref = B2 * m_ref + (1 - B2) * g
+    x = strategy.x.double().numpy()
+    assert np.linalg.norm(x - x_ref) <= 1e-6 * np.linalg.norm(x_ref)
+    np.testing.assert_allclose(x, x_ref, rtol=1e-6, atol=1e-6 * np.abs(x_ref).max())
+
+
+def test_momentum_persists_across_rounds_in_context_state() -> None:
+    # Prepare
+    grid = LocalGrid(client_app, 2, run_config=RUN_CONFIG)
+    strategy = DistributedLion(lr=LR, weight_decay=WD)
+    d = strategy.num_parameters or sum(p.numel() for p in Net().parameters())
+    m_ref = {n: torch.zeros(d, dtype=torch.float64) for n in grid.node_ids}
+    for rnd in range(1, 5):
+        # Execute one round through the real ClientApp and serialized contexts
+        run_rounds(strategy, grid, 1, start=rnd)
+        for pid, node in enumerate(grid.node_ids):
+            state = load_state(grid.context(node), d, torch.device("cpu"))
+            # Assert: the stored replica is the server's x before this round's Δ, and
+            # the stored momentum follows m ← β₂·m + (1−β₂)·g with g at that replica
+            assert state.version == rnd - 1
+            g = gradient(state.x, pid, 2, rnd).double()
+            m_ref[node] = B2 * m_ref[node] + (1 - B2) * g
+            np.testing.assert_allclose(state.m.double().numpy(), m_ref[node].numpy(), rtol=1e-5, atol=1e-9)
+
+
+def sync_replicas(strategy: DistributedLion, grid: LocalGrid, rnd: int) -> dict[int, torch.Tensor]:
+    """Bring each client's replica to the server's version with what the server would send next."""
+    model = Net()
+    d = strategy.num_parameters
+    out = {}
+    for msg in strategy.configure_train(rnd, ArrayRecord(), ConfigRecord(), grid):
+        node = msg.metadata.dst_node_id
+        state = load_state(grid.context(node), d, torch.device("cpu"))
+        out[node] = apply_message(msg.content, state, d, torch.device("cpu"), node, layout(model)).x
+    return out
+
+
+@pytest.mark.parametrize("how", ["vote", "mean"])
+def test_replicas_equal_server_x_after_rounds_with_faults(how: str, caplog: pytest.LogCaptureFixture) -> None:
+    # Prepare: 4 clients; node 1002's reply is corrupted in round 3, node 1003 loses its state before round 5
+    def hook(node_id: int, reply: Message) -> Message:
+        if node_id == 1002 and reply.metadata.group_id == "3" and reply.has_content():
+            reply.content[DELTA]["signs"].data = b"\x00"
+        return reply
+
+    grid = LocalGrid(client_app, 4, run_config=RUN_CONFIG, reply_hook=hook)
+    strategy = DistributedLion(aggregation=how, lr=LR, weight_decay=WD)
+    caplog.set_level(logging.WARNING, logger="flwr")
+    # Execute
+    run_rounds(strategy, grid, 4)
+    grid.reset_node(1003)
+    run_rounds(strategy, grid, 3, start=5)
+    # Assert: faults were reported, rounds went on, and every replica equals x bit for bit
+    assert "rejected reply from node 1002: 1 bytes of signs" in caplog.text
+    assert "rejected reply from node 1003: client error" in caplog.text and "has no replica" in caplog.text
+    assert [h["num-replies"] for h in strategy.history] == [4, 4, 3, 4, 3, 4, 4]
+    assert [h["full-syncs"] for h in strategy.history] == [4, 0, 0, 1, 0, 1, 0]
+    assert strategy.version == 7
+    for node, x in sync_replicas(strategy, grid, 8).items():
+        assert torch.equal(x, strategy.x), node
+
+
+def test_missing_state_is_an_error_not_a_silent_reset() -> None:
+    grid = LocalGrid(client_app, 2, run_config=RUN_CONFIG)
+    strategy = DistributedLion(lr=LR)
+    run_rounds(strategy, grid, 1)
+    grid.reset_node(1000)
+    msgs = {m.metadata.dst_node_id: m for m in strategy.configure_train(2, ArrayRecord(), ConfigRecord(), grid)}
+    replies = {r.metadata.src_node_id: r for r in grid.send_and_receive(msgs.values())}
+    assert replies[1000].has_error() and "node 1000 has no replica" in replies[1000].error.reason
+    assert STATE_ARRAYS not in grid.context(1000).state  # nothing invented
+
+
+def test_run_federation_writes_results(tmp_path) -> None:
+    grid = LocalGrid(client_app, 3, run_config=RUN_CONFIG)
+    cfg = {**RUN_CONFIG, "num-server-rounds": 4, "eval-every": 2, "results-dir": str(tmp_path / "out"), "lr": LR}
+    run_federation(grid, cfg)
+    rows = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [0, 1, 2, 3, 4]
+    assert [r["test_accuracy"] is not None for r in rows] == [True, False, True, False, True]
+    for r in rows[1:]:
+        assert r["num_replies"] == 3 and r["train_loss"] > 0
+        assert 0 < r["bytes_up"] < r["bytes_up_fp32"] / 31  # 1 bit per parameter plus headers
+        assert r["bytes_down"] > 0 and r["bytes_down_fp32"] >= r["bytes_down"]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["final_test_accuracy"] == rows[-1]["test_accuracy"]
+    assert summary["config"] == read_config(cfg)
+    state = torch.load(tmp_path / "out" / "final_model.pt")
+    Net().load_state_dict(state)
