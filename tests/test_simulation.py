@@ -27,7 +27,7 @@ def test_flower_simulation_reaches_well_above_chance(tmp_path) -> None:
 
     @server_app.main()
     def main(grid: Grid, context: Context) -> None:
-        run_federation(grid, {"num-server-rounds": 40, "eval-every": 20, "lr": 0.001, "results-dir": str(out)})
+        run_federation(grid, {"num-server-rounds": 40, "eval-every": 20, "results-dir": str(out)})
 
     run_simulation(server_app=server_app, client_app=client_app, num_supernodes=4)
 

@@ -401,7 +401,7 @@ class DistributedLion(Strategy):
             "full-syncs": sum(1 for kind in rnd.sent.values() if kind == "full"),
             "applied": int(applied),
             "version": self.version,
-            "train-loss": float(sum(v * e for v, e in zip(losses, examples, strict=True)) / total) if total else float("nan"),
+            "train-loss": sum(v * e for v, e in zip(losses, examples, strict=True)) / total if total else math.nan,
             "num-examples": int(total),
             "bytes-up": int(bytes_up),
             "bytes-down": int(rnd.bytes_down),
