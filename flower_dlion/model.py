@@ -18,20 +18,25 @@ __all__ = ["Net", "evaluate", "flat_parameters", "layout", "layout_fingerprint",
 
 
 class Net(nn.Module):
-    """conv5×5(16) → pool → conv5×5(32) → pool → fc(512) → fc(10); 281,034 parameters."""
+    """conv5×5(16) → pool → conv5×5(32) → pool → fc(512) → fc(10); 281,034 parameters.
 
-    def __init__(self, num_classes: int = 10) -> None:
+    SiLU rather than ReLU: with ReLU a feature that is 0 for a whole minibatch gives its
+    weights an exactly-zero gradient, which a 1-bit sign cannot carry
+    (``benchmarks/zero_signs.py`` measures how often that happens).
+    """
+
+    def __init__(self, num_classes: int = 10, activation: type[nn.Module] = nn.SiLU) -> None:
         super().__init__()
         self.features = nn.Sequential(
             nn.Conv2d(1, 16, 5),
-            nn.SiLU(),
+            activation(),
             nn.MaxPool2d(2),  # 28 → 24 → 12
             nn.Conv2d(16, 32, 5),
-            nn.SiLU(),
+            activation(),
             nn.MaxPool2d(2),  # 12 → 8 → 4
         )
         self.classifier = nn.Sequential(
-            nn.Flatten(), nn.Linear(32 * 4 * 4, 512), nn.SiLU(), nn.Linear(512, num_classes)
+            nn.Flatten(), nn.Linear(32 * 4 * 4, 512), activation(), nn.Linear(512, num_classes)
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -114,3 +114,18 @@ def test_codec_imports_no_flwr() -> None:
         subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
         == "False"
     )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_codec_matches_cpu_and_stays_on_device() -> None:
+    gen = torch.Generator().manual_seed(0)
+    v = torch.randn(1_000_003, generator=gen)
+    packed = codec.pack_signs(v.cuda())
+    assert packed.is_cuda and torch.equal(packed.cpu(), codec.pack_signs(v))
+    assert torch.equal(codec.unpack_signs(packed, v.numel()).cpu(), codec.unpack_signs(codec.pack_signs(v), v.numel()))
+    for num_levels in (2, 3, 5, 11):
+        k = torch.randint(0, num_levels, (100_001,), generator=gen)
+        enc = codec.encode_levels(k.cuda(), num_levels)
+        assert enc.is_cuda and torch.equal(enc.cpu(), codec.encode_levels(k, num_levels))
+        dec = codec.decode_levels(enc, num_levels, k.numel())
+        assert dec.is_cuda and torch.equal(dec.cpu(), k.to(torch.int32))

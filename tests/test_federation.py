@@ -155,3 +155,13 @@ def test_run_federation_writes_results(tmp_path) -> None:
     assert summary["config"] == read_config(cfg)
     state = torch.load(tmp_path / "out" / "final_model.pt")
     Net().load_state_dict(state)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_clients_keep_replicas_identical_to_the_cpu_server() -> None:
+    grid = LocalGrid(client_app, 3, run_config={**RUN_CONFIG, "device": "cuda"})
+    strategy = DistributedLion(aggregation="mean", lr=LR, weight_decay=WD)
+    run_rounds(strategy, grid, 4)
+    assert [h["num-replies"] for h in strategy.history] == [3, 3, 3, 3]
+    for node, x in sync_replicas(strategy, grid, 5).items():
+        assert torch.equal(x, strategy.x), node  # GPU replica vs CPU server, bit for bit

@@ -70,3 +70,13 @@ def test_lion_step_matches_formula_in_float64() -> None:
         mr = b2 * mr + (1 - b2) * gr
     np.testing.assert_allclose(x.numpy(), xr, rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(m.numpy(), mr, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_apply_update_is_bit_identical_on_cuda_and_cpu() -> None:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(1_000_000, generator=gen)
+    k = torch.randint(0, 11, (1_000_000,), generator=gen)
+    delta = codec.levels_to_values(k, 11)
+    x_gpu = lion.apply_update_(x.cuda(), codec.levels_to_values(k.cuda(), 11), 3e-3, 0.1)
+    assert torch.equal(x_gpu.cpu(), lion.apply_update_(x.clone(), delta, 3e-3, 0.1))
