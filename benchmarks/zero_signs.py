@@ -9,12 +9,11 @@ on Fashion-MNIST minibatches and counts exact zeros in g and in the mix.
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from flower_dlion import lion
 from flower_dlion.data import load_fashion_mnist, to_tensor
-from flower_dlion.model import Net, flat_parameters, load_flat_
+from flower_dlion.model import Net, flat_gradient, flat_parameters
 
 
 def main() -> None:
@@ -28,9 +27,7 @@ def main() -> None:
             m = torch.zeros_like(x)
             for rnd in range(1, 40):
                 rows = np.random.default_rng(rnd).choice(len(ds.y_train), batch, replace=False)
-                load_flat_(model, x)
-                loss = F.cross_entropy(model(to_tensor(ds.x_train[rows])), torch.from_numpy(ds.y_train[rows]))
-                g = torch.cat([t.reshape(-1) for t in torch.autograd.grad(loss, list(model.parameters()))])
+                _, g = flat_gradient(model, x, to_tensor(ds.x_train[rows]), torch.from_numpy(ds.y_train[rows]))
                 mix = m * 0.9 + 0.1 * g
                 if rnd in (1, 10, 39):
                     zg, zm = int((g == 0).sum()), int((mix == 0).sum())

@@ -32,6 +32,7 @@ import torch
 __all__ = [
     "SIGN1",
     "TRIT5",
+    "as_uint8",
     "count_ones",
     "decode_levels",
     "encode_levels",
@@ -57,7 +58,7 @@ def packed_size(d: int) -> int:
     return (d + 7) // 8
 
 
-def _as_uint8_tensor(buf: torch.Tensor | bytes | np.ndarray) -> torch.Tensor:
+def as_uint8(buf: torch.Tensor | bytes | np.ndarray) -> torch.Tensor:
     """View received bytes as a 1-D uint8 tensor without copying where possible."""
     if isinstance(buf, torch.Tensor):
         if buf.dtype != torch.uint8 or buf.dim() != 1:
@@ -85,7 +86,7 @@ def pack_bits(bits: torch.Tensor) -> torch.Tensor:
 
 def unpack_bits(packed: torch.Tensor | bytes | np.ndarray, d: int) -> torch.Tensor:
     """Inverse of :func:`pack_bits`: the first ``d`` bits as a boolean tensor."""
-    p = _as_uint8_tensor(packed)
+    p = as_uint8(packed)
     if p.numel() != packed_size(d):
         raise ValueError(f"expected {packed_size(d)} packed bytes for {d} bits, got {p.numel()}")
     shifts = torch.tensor(_SHIFTS, dtype=torch.uint8, device=p.device)
@@ -184,7 +185,7 @@ def _trit_lut(device: torch.device) -> torch.Tensor:
 
 def decode_levels(buf: torch.Tensor | bytes | np.ndarray, num_levels: int, d: int) -> torch.Tensor:
     """Inverse of :func:`encode_levels`: ``d`` integer levels (int32)."""
-    p = _as_uint8_tensor(buf)
+    p = as_uint8(buf)
     if p.numel() != encoded_size(d, num_levels):
         raise ValueError(
             f"expected {encoded_size(d, num_levels)} bytes for {d} values of {num_levels} levels, got {p.numel()}"

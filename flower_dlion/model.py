@@ -14,7 +14,16 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-__all__ = ["Net", "evaluate", "flat_parameters", "layout", "layout_fingerprint", "load_flat_", "num_parameters"]
+__all__ = [
+    "Net",
+    "evaluate",
+    "flat_gradient",
+    "flat_parameters",
+    "layout",
+    "layout_fingerprint",
+    "load_flat_",
+    "num_parameters",
+]
 
 
 class Net(nn.Module):
@@ -63,6 +72,16 @@ def layout(model: nn.Module) -> str:
 def flat_parameters(model: nn.Module) -> torch.Tensor:
     """All trainable parameters as one flat float32 vector (a copy)."""
     return torch.cat([p.detach().reshape(-1) for p in model.parameters() if p.requires_grad]).float()
+
+
+def flat_gradient(
+    model: nn.Module, x: torch.Tensor, images: torch.Tensor, labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy loss at the flat parameters ``x`` and its gradient as one flat vector."""
+    load_flat_(model, x)
+    loss = nn.functional.cross_entropy(model(images), labels)
+    params = [p for p in model.parameters() if p.requires_grad]
+    return loss.detach(), torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, params)])
 
 
 def load_flat_(model: nn.Module, x: torch.Tensor) -> None:

@@ -9,7 +9,6 @@ import logging
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from flwr.app import ArrayRecord, ConfigRecord, Message
 
 from flower_dlion.client_app import app as client_app
@@ -17,7 +16,7 @@ from flower_dlion.clients.dlion import STATE_ARRAYS, apply_message, load_state
 from flower_dlion.config import read_config
 from flower_dlion.data import load_fashion_mnist, partition_indices, sample_batch, to_tensor
 from flower_dlion.local_grid import LocalGrid
-from flower_dlion.model import Net, flat_parameters, layout, load_flat_
+from flower_dlion.model import Net, flat_gradient, flat_parameters, layout
 from flower_dlion.protocol import DELTA
 from flower_dlion.server_app import run_federation
 from flower_dlion.strategies import DistributedLion
@@ -46,10 +45,7 @@ def gradient(x: torch.Tensor, pid: int, num_partitions: int, rnd: int) -> torch.
     ds = load_fashion_mnist()
     parts = partition_indices(ds.y_train, partitioner="iid", num_partitions=num_partitions)
     rows = sample_batch(parts[pid], 16, seed=0, partition_id=pid, server_round=rnd)
-    model = Net()
-    load_flat_(model, x.float())
-    loss = F.cross_entropy(model(to_tensor(ds.x_train[rows])), torch.from_numpy(ds.y_train[rows]))
-    return torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, list(model.parameters()))])
+    return flat_gradient(Net(), x.float(), to_tensor(ds.x_train[rows]), torch.from_numpy(ds.y_train[rows]))[1]
 
 
 @pytest.mark.parametrize("how", ["vote", "mean"])

@@ -18,13 +18,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
 from .. import codec, lion
 from ..config import read_config
 from ..data import load_fashion_mnist, partition_indices, sample_batch, to_tensor
-from ..model import Net, layout, load_flat_, num_parameters
+from ..model import Net, flat_gradient, layout, num_parameters
 from ..protocol import CONFIG, DELTA, LEVELS_STYPE, METRICS, SIGN_STYPE, UPDATE, bits_array, checksum
 
 __all__ = ["ClientStateError", "ReplicaState", "apply_message", "load_state", "resolve_device", "save_state", "train"]
@@ -115,7 +114,7 @@ def apply_message(
         arr = content[UPDATE]["payload"]
         if arr.stype != LEVELS_STYPE:
             raise ClientStateError(f"node {node_id}: update stype {arr.stype!r}, expected {LEVELS_STYPE!r}")
-        buf = torch.frombuffer(bytearray(arr.data), dtype=torch.uint8).to(device)  # packed bytes go to the device
+        buf = codec.as_uint8(arr.data).to(device)  # packed bytes go to the device
         offset = 0
         for num_levels, lr, wd in zip(cfg["num-levels"], cfg["lr"], cfg["weight-decay"], strict=True):
             size = codec.encoded_size(d, num_levels)
@@ -185,10 +184,7 @@ def train(msg: Message, context: Context) -> Message:
     )
     images, labels = to_tensor(ds.x_train[rows]).to(device), torch.from_numpy(ds.y_train[rows]).to(device)
 
-    load_flat_(model, state.x)  # 2. gradient at x
-    loss = F.cross_entropy(model(images), labels)
-    params = [p for p in model.parameters() if p.requires_grad]
-    grad = torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, params)])
+    loss, grad = flat_gradient(model, state.x, images, labels)  # 2. gradient at x
 
     delta = lion.local_step_(state.m, grad, float(cfg["beta1"]), float(cfg["beta2"]))  # 3. δ, then m
     coin_seed = int(np.random.SeedSequence([seed, pid, server_round]).generate_state(1)[0])
@@ -201,7 +197,7 @@ def train(msg: Message, context: Context) -> Message:
             METRICS: MetricRecord(
                 {
                     "num-examples": int(rows.size),
-                    "train-loss": float(loss.detach()),
+                    "train-loss": float(loss),
                     "version": state.version,
                     "checksum": checksum(state.x),
                 }

@@ -342,33 +342,29 @@ class DistributedLion(Strategy):
         if rnd is None or rnd.server_round != server_round or self.x is None:
             raise RuntimeError(f"aggregate_train({server_round}) without configure_train for that round")
         d = self.num_parameters
-        payloads, losses, examples, valid_nodes = [], [], [], []
+        payloads, losses, examples, valid_nodes = [], [], [], set()
         bytes_up = bytes_up_fp32 = rejected = 0
         for msg in replies:
             node_id = msg.metadata.src_node_id
-            try:
-                size = message_bytes(msg)
-            except Exception:
-                size = 0
+            size = message_bytes(msg)
             bytes_up += size
             try:
                 node_id, data, values = self._check_reply(msg, rnd)
             except RejectedReply as err:
                 rejected += 1
                 bytes_up_fp32 += size
-                self._node_version.pop(node_id, None)  # unknown state: full model next time
                 log(WARNING, "round %d: rejected reply from node %d: %s", server_round, node_id, err)
                 continue
             bytes_up_fp32 += size - len(data) + 4 * d
             payloads.append(data)
             losses.append(values["train-loss"])
             examples.append(values["num-examples"])
-            valid_nodes.append(node_id)
-        for node_id in rnd.sent:
-            if node_id not in valid_nodes:
+            valid_nodes.add(node_id)
+        for node_id in rnd.sent:  # a node without a valid reply is in an unknown state: full model next time
+            if node_id in valid_nodes:
+                self._node_version[node_id] = rnd.base_version
+            else:
                 self._node_version.pop(node_id, None)
-        for node_id in valid_nodes:
-            self._node_version[node_id] = rnd.base_version
 
         n = len(payloads)
         tie_fraction = agreement = 0.0
