@@ -9,15 +9,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["DEFAULTS", "read_config"]
+__all__ = ["DEFAULTS", "STRATEGIES", "read_config"]
 
 DEFAULTS: dict[str, Any] = {
     "num-server-rounds": 200,
-    "aggregation": "vote",
+    "strategy": "dlion-vote",
     "lr": 0.002,
     "weight-decay": 0.1,
     "beta1": 0.9,
     "beta2": 0.99,
+    "momentum": 0.9,
+    "local-epochs": 1,
     "batch-size": 64,
     "fraction-train": 1.0,
     "min-replies": 1,
@@ -26,13 +28,16 @@ DEFAULTS: dict[str, Any] = {
     "classes-per-partition": 2,
     "seed": 0,
     "eval-every": 20,
+    "holdout": 0,
     "results-dir": "",
     "data-dir": "",
     "device": "auto",
 }
 
+STRATEGIES = ("dlion-vote", "dlion-mean", "signsgd-vote", "global-lion", "global-adamw", "terngrad", "fedavg")
+
 _CHOICES = {
-    "aggregation": ("vote", "mean"),
+    "strategy": STRATEGIES,
     "partitioner": ("iid", "dirichlet", "pathological", "shard"),
     "device": ("auto", "cpu", "cuda"),
 }
@@ -62,9 +67,15 @@ def read_config(run_config: Mapping[str, Any] | None) -> dict[str, Any]:
     for key, choices in _CHOICES.items():
         if cfg[key] not in choices:
             raise ValueError(f"run-config '{key}' must be one of {choices}, got {cfg[key]!r}")
-    for key in ("num-server-rounds", "batch-size", "eval-every", "min-replies", "classes-per-partition"):
+    positive = ("num-server-rounds", "batch-size", "eval-every", "min-replies", "classes-per-partition", "local-epochs")
+    for key in positive:
         if cfg[key] < 1:
             raise ValueError(f"run-config '{key}' must be >= 1, got {cfg[key]}")
+    for key in ("beta1", "beta2", "momentum"):
+        if not 0.0 <= cfg[key] < 1.0:
+            raise ValueError(f"run-config '{key}' must be in [0, 1), got {cfg[key]}")
+    if not 0 <= cfg["holdout"] < 50_000:
+        raise ValueError(f"run-config 'holdout' must be in [0, 50000), got {cfg['holdout']}")
     if not 0.0 < cfg["fraction-train"] <= 1.0:
         raise ValueError(f"run-config 'fraction-train' must be in (0, 1], got {cfg['fraction-train']}")
     if cfg["alpha"] <= 0:

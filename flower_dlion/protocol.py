@@ -16,27 +16,49 @@ Client → server::
 
 Versions count the Δs applied to x since the start. ``checksum`` is the CRC-32 of the
 client's replica (float32 bytes) at ``version``, the point where it computed δ.
+
+The gradient baselines (global Lion, global AdamW, TernGrad; ``strategies/server_opt.py``)::
+
+    server → client  "grad.config"  ConfigRecord  server-round, encoding ("fp32" | "terngrad"),
+                                                  batch-size, seed, layout
+                     "grad.model"   ArrayRecord   one Array "x": the full model, float32 (d,)
+    client → server  "grad.update"  ArrayRecord   one Array "payload": the gradient as float32 (d,),
+                                                  or TernGrad (stype "terngrad.v1"): T float32
+                                                  scalers, then the d trits, 5 per byte
+                     "grad.metrics" MetricRecord  num-examples, train-loss
+
+FedAvg uses Flower's own ``FedAvg`` messages ("arrays", "config"; reply "arrays", "metrics").
 """
 
 from __future__ import annotations
 
+import math
 import zlib
+from collections.abc import Container, Sequence
 
 import numpy as np
 import torch
-from flwr.app import Array, Message
+from flwr.app import Array, Message, MetricRecord, RecordDict
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
 __all__ = [
     "CONFIG",
     "DELTA",
+    "GRAD_CONFIG",
+    "GRAD_METRICS",
+    "GRAD_MODEL",
+    "GRAD_UPDATE",
     "LEVELS_STYPE",
     "METRICS",
     "SIGN_STYPE",
+    "TERNGRAD_STYPE",
     "UPDATE",
+    "RejectedReply",
     "bits_array",
+    "check_envelope",
     "checksum",
     "message_bytes",
+    "read_metrics",
 ]
 
 CONFIG = "dlion.config"
@@ -46,6 +68,45 @@ METRICS = "dlion.metrics"
 SIGN_STYPE = "dlion.sign1"
 LEVELS_STYPE = "dlion.levels"
 REPLY_METRICS = ("num-examples", "train-loss", "version", "checksum")
+
+GRAD_CONFIG = "grad.config"
+GRAD_MODEL = "grad.model"
+GRAD_UPDATE = "grad.update"
+GRAD_METRICS = "grad.metrics"
+TERNGRAD_STYPE = "terngrad.v1"
+
+
+class RejectedReply(ValueError):
+    """A client reply that cannot be used; the message says why."""
+
+
+def check_envelope(msg: Message, sent: Container[int], server_round: int, records: Sequence[str]) -> None:
+    """Reject error replies, replies from nodes not asked, for another round, or with other records."""
+    if msg.has_error():
+        raise RejectedReply(f"client error (code {msg.error.code}): {msg.error.reason}")
+    if msg.metadata.src_node_id not in sent:
+        raise RejectedReply("no train message was sent to this node this round")
+    if msg.metadata.group_id != str(server_round):
+        raise RejectedReply(f"reply for round {msg.metadata.group_id!r}, the open round is {server_round}")
+    if set(msg.content.keys()) != set(records):
+        raise RejectedReply(f"records {sorted(msg.content.keys())}, expected {sorted(records)}")
+
+
+def read_metrics(content: RecordDict, name: str, keys: Sequence[str]) -> dict[str, float]:
+    """The finite numbers ``keys`` of the MetricRecord ``name``; ``num-examples`` must be >= 1."""
+    metrics = content[name]
+    if not isinstance(metrics, MetricRecord):
+        raise RejectedReply(f"'{name}' must be a MetricRecord")
+    missing = [k for k in keys if k not in metrics]
+    if missing:
+        raise RejectedReply(f"metrics missing {missing}")
+    values = {k: metrics[k] for k in keys}
+    for k, v in values.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise RejectedReply(f"metric {k!r} is {v!r}, expected a finite number")
+    if values.get("num-examples", 1) < 1:
+        raise RejectedReply(f"num-examples is {values['num-examples']}, expected >= 1")
+    return values
 
 
 def bits_array(packed: torch.Tensor, count: int, stype: str) -> Array:

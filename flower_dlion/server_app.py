@@ -1,4 +1,4 @@
-"""ServerApp: Distributed Lion on Fashion-MNIST, evaluated on the server, logged to JSONL."""
+"""ServerApp: Distributed Lion (or a baseline) on Fashion-MNIST, evaluated on the server, logged to JSONL."""
 
 from __future__ import annotations
 
@@ -11,17 +11,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, MetricRecord
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, MessageType, MetricRecord
 from flwr.serverapp import Grid, ServerApp
-from flwr.serverapp.strategy import Result
+from flwr.serverapp.strategy import FedAvg, Result, Strategy
 from flwr.supercore import log
 
 from .config import read_config
 from .data import load_fashion_mnist, to_tensor
+from .metering import MeteredGrid
 from .model import Net, evaluate
 from .strategies.dlion import DistributedLion
+from .strategies.global_opt import GlobalOptimizer
 
-__all__ = ["app", "default_results_dir", "run_federation"]
+__all__ = ["app", "build_strategy", "default_results_dir", "evaluation_set", "run_federation", "train_config"]
 
 
 def default_results_dir(run_id: int) -> Path:
@@ -36,126 +38,201 @@ def _json_number(value: float | int | None) -> float | int | None:
     return value
 
 
-def run_federation(grid: Grid, run_config: dict[str, Any], run_id: int = 0) -> Result:
+def build_strategy(cfg: dict[str, Any]) -> Strategy:
+    """The strategy named by run config ``strategy``, with its hyperparameters from ``cfg``.
+
+    ``signsgd-vote`` is Signum with majority vote (Bernstein et al., 2019): each worker
+    keeps m ← β·m + (1−β)·g and sends sign(m). That is Distributed Lion with β₁ = β₂ = β
+    (``momentum``): sign(β·m + (1−β)·g) is the sign of the new m. So it runs on the same
+    client and strategy, with the same 1-bit messages.
+    """
+    common = {"fraction_train": cfg["fraction-train"], "min_replies": cfg["min-replies"]}
+    name = cfg["strategy"]
+    if name in ("dlion-vote", "dlion-mean", "signsgd-vote"):
+        beta1, beta2 = (cfg["momentum"], cfg["momentum"]) if name == "signsgd-vote" else (cfg["beta1"], cfg["beta2"])
+        return DistributedLion(
+            aggregation="mean" if name == "dlion-mean" else "vote",
+            lr=cfg["lr"],
+            weight_decay=cfg["weight-decay"],
+            beta1=beta1,
+            beta2=beta2,
+            **common,
+        )
+    if name in ("global-lion", "global-adamw", "terngrad"):
+        return GlobalOptimizer(
+            optimizer={"global-lion": "lion", "global-adamw": "adamw", "terngrad": "sgd"}[name],
+            encoding="terngrad" if name == "terngrad" else "fp32",
+            lr=cfg["lr"],
+            weight_decay=cfg["weight-decay"],
+            beta1=cfg["beta1"],
+            beta2=cfg["beta2"],
+            momentum=cfg["momentum"],
+            **common,
+        )
+    if name == "fedavg":
+        return FedAvg(fraction_train=cfg["fraction-train"], fraction_evaluate=0.0)
+    raise ValueError(f"unknown strategy {name!r}")
+
+
+def train_config(cfg: dict[str, Any]) -> ConfigRecord:
+    """What the server sends clients in every train message besides the strategy's own keys."""
+    values: dict[str, Any] = {"batch-size": cfg["batch-size"], "seed": cfg["seed"]}
+    if cfg["strategy"] == "fedavg":  # Flower's FedAvg forwards this record as is
+        values.update(
+            {
+                "lr": cfg["lr"],
+                "momentum": cfg["momentum"],
+                "weight-decay": cfg["weight-decay"],
+                "local-epochs": cfg["local-epochs"],
+            }
+        )
+    return ConfigRecord(values)
+
+
+def evaluation_set(cfg: dict[str, Any]) -> tuple[str, torch.Tensor, torch.Tensor]:
+    """(name, images, labels): the test set, or the last ``holdout`` training images."""
+    data = load_fashion_mnist(cfg["data-dir"])
+    if cfg["holdout"]:
+        rows = slice(data.y_train.size - cfg["holdout"], None)
+        return "validation", to_tensor(data.x_train[rows]), torch.from_numpy(data.y_train[rows])
+    return "test", to_tensor(data.x_test), torch.from_numpy(data.y_test)
+
+
+def run_federation(grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, save_model: bool = True) -> Result:
     """Run the whole federation described by ``run_config`` (defaults: ``config.DEFAULTS``).
 
     Writes ``results.jsonl`` (one object per round, round 0 = the initial model),
-    ``summary.json`` and ``final_model.pt`` into the results directory.
+    ``summary.json`` and (with ``save_model``) ``final_model.pt`` into the results directory.
+    Bytes are measured on the messages by :class:`~flower_dlion.metering.MeteredGrid`, the
+    same way for every strategy.
     """
     cfg = read_config(run_config)
     out_dir = Path(cfg["results-dir"]).expanduser() if cfg["results-dir"] else default_results_dir(run_id)
     out_dir = out_dir.resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
-    log(INFO, "[flower-dlion] results directory: %s", out_dir)
+    log(INFO, "[flower-dlion] %s, results directory: %s", cfg["strategy"], out_dir)
 
     torch.manual_seed(cfg["seed"])
     model = Net()
     initial = ArrayRecord({name: Array(p.detach().numpy().copy()) for name, p in model.named_parameters()})
-    data = load_fashion_mnist(cfg["data-dir"])
-    test_x, test_y = to_tensor(data.x_test), torch.from_numpy(data.y_test)
-
-    strategy = DistributedLion(
-        aggregation=cfg["aggregation"],
-        lr=cfg["lr"],
-        weight_decay=cfg["weight-decay"],
-        beta1=cfg["beta1"],
-        beta2=cfg["beta2"],
-        fraction_train=cfg["fraction-train"],
-        min_replies=cfg["min-replies"],
-    )
+    eval_name, eval_x, eval_y = evaluation_set(cfg)
+    strategy = build_strategy(cfg)
+    metered = MeteredGrid(grid)
     num_rounds = cfg["num-server-rounds"]
     results_path = out_dir / "results.jsonl"
     results_path.write_text("")
     t_start = time.perf_counter()
-    last_acc: list[float | None] = [None]
+    evals: dict[int, float] = {}
+    eval_seconds = [0.0]
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
-        """Evaluate x every ``eval-every`` rounds (and first and last); log the round."""
+        """Evaluate x every ``eval-every`` rounds (and first and last); log and record the round."""
         acc = loss = None
         if server_round % cfg["eval-every"] == 0 or server_round == num_rounds:
+            t0 = time.perf_counter()
             model.load_state_dict(arrays.to_torch_state_dict())
-            loss, acc = evaluate(model, test_x, test_y)
-            last_acc[0] = acc
+            loss, acc = evaluate(model, eval_x, eval_y)
+            evals[server_round] = acc
+            eval_seconds[0] += time.perf_counter() - t0
         row: dict[str, Any] = {
             "round": server_round,
-            "test_accuracy": acc,
-            "test_loss": loss,
+            "accuracy": acc,
+            "loss": loss,
             "train_loss": None,
             "bytes_up": 0,
             "bytes_down": 0,
-            "bytes_up_fp32": 0,
-            "bytes_down_fp32": 0,
+            "num_sent": 0,
             "num_replies": 0,
+            "num_errors": 0,
         }
         if server_round > 0:
-            m = strategy.history[-1]
+            ex = [e for e in metered.exchanges if e.message_type == MessageType.TRAIN][-1]
             row.update(
                 {
-                    "train_loss": m["train-loss"],
-                    "bytes_up": m["bytes-up"],
-                    "bytes_down": m["bytes-down"],
-                    "bytes_up_fp32": m["bytes-up-fp32"],
-                    "bytes_down_fp32": m["bytes-down-fp32"],
-                    "num_replies": m["num-replies"],
-                    "num_rejected": m["num-rejected"],
-                    "full_syncs": m["full-syncs"],
-                    "tie_fraction": m["tie-fraction"],
-                    "agreement": m["agreement"],
+                    "train_loss": ex.train_loss,
+                    "bytes_up": ex.bytes_up,
+                    "bytes_down": ex.bytes_down,
+                    "num_sent": ex.num_sent,
+                    "num_replies": ex.num_replies,
+                    "num_errors": ex.num_errors,
                 }
             )
+            if isinstance(strategy, DistributedLion):
+                m = strategy.history[-1]
+                row.update(
+                    {
+                        "num_rejected": m["num-rejected"],
+                        "full_syncs": m["full-syncs"],
+                        "bytes_up_fp32": m["bytes-up-fp32"],
+                        "bytes_down_fp32": m["bytes-down-fp32"],
+                        "tie_fraction": m["tie-fraction"],
+                        "agreement": m["agreement"],
+                    }
+                )
+            elif isinstance(strategy, GlobalOptimizer):
+                row["num_rejected"] = strategy.history[-1]["num-rejected"]
             log(
                 INFO,
-                "[flower-dlion] round %d/%d: train loss %.4f | up %.1f KB | down %.1f KB | %s",
+                "[flower-dlion] round %d/%d: %d replies | up %.1f KB | down %.1f KB | %s",
                 server_round,
                 num_rounds,
-                m["train-loss"],
-                m["bytes-up"] / 1e3,
-                m["bytes-down"] / 1e3,
-                f"test accuracy {acc:.4f}" if acc is not None else "not evaluated",
+                ex.num_replies,
+                ex.bytes_up / 1e3,
+                ex.bytes_down / 1e3,
+                f"{eval_name} accuracy {acc:.4f}" if acc is not None else "not evaluated",
             )
         row["wall_time_s"] = round(time.perf_counter() - t_start, 3)
         with results_path.open("a") as f:
             f.write(json.dumps({k: _json_number(v) for k, v in row.items()}) + "\n")
-        return None if acc is None else MetricRecord({"test-accuracy": acc, "test-loss": loss})
+        return None if acc is None else MetricRecord({"accuracy": acc, "loss": loss})
 
-    train_config = ConfigRecord({"batch-size": cfg["batch-size"], "seed": cfg["seed"]})
     result = strategy.start(
-        grid=grid, initial_arrays=initial, num_rounds=num_rounds, train_config=train_config, evaluate_fn=evaluate_fn
+        grid=metered,
+        initial_arrays=initial,
+        num_rounds=num_rounds,
+        train_config=train_config(cfg),
+        evaluate_fn=evaluate_fn,
     )
     wall = time.perf_counter() - t_start
 
-    totals = {
-        k: sum(m[k] for m in strategy.history) for k in ("bytes-up", "bytes-down", "bytes-up-fp32", "bytes-down-fp32")
-    }
-    replies = sum(m["num-replies"] for m in strategy.history)
-    d = strategy.num_parameters
+    train = [e for e in metered.exchanges if e.message_type == MessageType.TRAIN]
+    up, down = sum(e.bytes_up for e in train), sum(e.bytes_down for e in train)
+    replies = sum(e.num_replies - e.num_errors for e in train)
+    d = sum(p.numel() for p in model.parameters())
+    final = evals.get(num_rounds)
     summary = {
-        "final_test_accuracy": last_acc[0],
+        "strategy": cfg["strategy"],
+        "eval_set": eval_name,
+        "final_accuracy": final,
+        "best_accuracy": max(evals.values()),
         "rounds": num_rounds,
         "wall_time_s": round(wall, 2),
+        "eval_time_s": round(eval_seconds[0], 2),
         "num_parameters": d,
-        "total_mb_up": totals["bytes-up"] / 1e6,
-        "total_mb_down": totals["bytes-down"] / 1e6,
-        "fp32_over_sent_up": totals["bytes-up-fp32"] / max(totals["bytes-up"], 1),
-        "fp32_over_sent_down": totals["bytes-down-fp32"] / max(totals["bytes-down"], 1),
-        "bytes_up_per_reply": totals["bytes-up"] / max(replies, 1),
+        "total_mb_up": up / 1e6,
+        "total_mb_down": down / 1e6,
+        "bytes_up_per_reply": up / max(replies, 1),
         "fp32_model_bytes": 4 * d,
         "config": cfg,
     }
+    if isinstance(strategy, DistributedLion):
+        for key in ("up", "down"):
+            fp32 = sum(m[f"bytes-{key}-fp32"] for m in strategy.history)
+            summary[f"fp32_over_sent_{key}"] = fp32 / max(up if key == "up" else down, 1)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    torch.save(
-        model.state_dict() if result.arrays is None else result.arrays.to_torch_state_dict(), out_dir / "final_model.pt"
-    )
+    if save_model:
+        state = model.state_dict() if result.arrays is None else result.arrays.to_torch_state_dict()
+        torch.save(state, out_dir / "final_model.pt")
     log(
         INFO,
-        "[flower-dlion] done in %.1f s: final test accuracy %s | total up %.2f MB, down %.2f MB | "
-        "fp32 would send %.1fx more up, %.1fx more down | %.0f B up per reply = 1/%.1f of the fp32 model (%d B)",
+        "[flower-dlion] done in %.1f s: %s, final %s accuracy %s | total up %.2f MB, down %.2f MB | "
+        "%.0f B up per reply = 1/%.1f of the fp32 model (%d B)",
         wall,
-        "n/a" if last_acc[0] is None else f"{last_acc[0]:.4f}",
+        cfg["strategy"],
+        eval_name,
+        "n/a" if final is None else f"{final:.4f}",
         summary["total_mb_up"],
         summary["total_mb_down"],
-        summary["fp32_over_sent_up"],
-        summary["fp32_over_sent_down"],
         summary["bytes_up_per_reply"],
         4 * d / max(summary["bytes_up_per_reply"], 1),
         4 * d,

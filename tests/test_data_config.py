@@ -97,8 +97,12 @@ def test_read_config_checks_values() -> None:
     assert read_config({"lr": 1})["lr"] == 1.0
     with pytest.raises(ValueError, match="unknown run-config keys \\['lrr'\\]"):
         read_config({"lrr": 0.1})
-    with pytest.raises(ValueError, match="'aggregation' must be one of \\('vote', 'mean'\\), got 'median'"):
-        read_config({"aggregation": "median"})
+    with pytest.raises(ValueError, match=r"'strategy' must be one of \('dlion-vote', .*\), got 'median'"):
+        read_config({"strategy": "median"})
+    with pytest.raises(ValueError, match=r"'momentum' must be in \[0, 1\), got 1\.0"):
+        read_config({"momentum": 1.0})
+    with pytest.raises(ValueError, match="'local-epochs' must be >= 1, got 0"):
+        read_config({"local-epochs": 0})
     with pytest.raises(ValueError, match="'batch-size' must be int, got '64'"):
         read_config({"batch-size": "64"})
     with pytest.raises(ValueError, match="'fraction-train' must be in \\(0, 1\\]"):

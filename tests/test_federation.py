@@ -141,13 +141,14 @@ def test_run_federation_writes_results(tmp_path) -> None:
     run_federation(grid, cfg)
     rows = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [0, 1, 2, 3, 4]
-    assert [r["test_accuracy"] is not None for r in rows] == [True, False, True, False, True]
+    assert [r["accuracy"] is not None for r in rows] == [True, False, True, False, True]
     for r in rows[1:]:
         assert r["num_replies"] == 3 and r["train_loss"] > 0
         assert 0 < r["bytes_up"] < r["bytes_up_fp32"] / 31  # 1 bit per parameter plus headers
         assert r["bytes_down"] > 0 and r["bytes_down_fp32"] >= r["bytes_down"]
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    assert summary["final_test_accuracy"] == rows[-1]["test_accuracy"]
+    assert summary["final_accuracy"] == rows[-1]["accuracy"] and summary["strategy"] == "dlion-vote"
+    assert summary["total_mb_up"] * 1e6 == sum(r["bytes_up"] for r in rows)
     assert summary["config"] == read_config(cfg)
     state = torch.load(tmp_path / "out" / "final_model.pt")
     Net().load_state_dict(state)

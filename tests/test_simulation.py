@@ -37,7 +37,7 @@ def test_flower_simulation_reaches_well_above_chance(tmp_path) -> None:
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == list(range(41))
     assert all(r["num_replies"] == 4 for r in rows[1:])
-    assert rows[-1]["test_accuracy"] >= 0.6, rows[-1]
+    assert rows[-1]["accuracy"] >= 0.6, rows[-1]
     fp32_model = 4 * json.loads((out / "summary.json").read_text())["num_parameters"]
     assert all(r["bytes_up"] / 4 <= fp32_model / 31 for r in rows[1:])  # per client, measured
 
@@ -46,5 +46,5 @@ def test_flower_simulation_reaches_well_above_chance(tmp_path) -> None:
     local = tmp_path / "local"
     run_federation(LocalGrid(client_app, 4), {**config, "results-dir": str(local)})
     local_rows = [json.loads(line) for line in (local / "results.jsonl").read_text().splitlines()]
-    assert [r["test_accuracy"] for r in local_rows] == [r["test_accuracy"] for r in rows]
+    assert [r["accuracy"] for r in local_rows] == [r["accuracy"] for r in rows]
     assert [r["train_loss"] for r in local_rows[1:]] == pytest.approx([r["train_loss"] for r in rows[1:]], rel=1e-9)

@@ -13,7 +13,6 @@ One ``train`` message, in order:
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,18 +21,14 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 
 from .. import codec, lion
 from ..config import read_config
-from ..data import load_fashion_mnist, partition_indices, sample_batch, to_tensor
-from ..model import Net, flat_gradient, layout, num_parameters
+from ..model import flat_gradient, layout, num_parameters
 from ..protocol import CONFIG, DELTA, LEVELS_STYPE, METRICS, SIGN_STYPE, UPDATE, bits_array, checksum
+from .common import ClientStateError, batch, model_on, resolve_device, seeded_generator
 
 __all__ = ["ClientStateError", "ReplicaState", "apply_message", "load_state", "resolve_device", "save_state", "train"]
 
 STATE_ARRAYS = "dlion.state"
 STATE_META = "dlion.state-meta"
-
-
-class ClientStateError(RuntimeError):
-    """The node's stored state cannot serve the message it received."""
 
 
 @dataclass
@@ -43,15 +38,6 @@ class ReplicaState:
     x: torch.Tensor  # replica of the global parameters, float32 (d,)
     m: torch.Tensor  # Lion momentum, float32 (d,)
     version: int  # number of Δs applied to x since the start
-
-
-def resolve_device(name: str) -> torch.device:
-    """``auto`` → CUDA when available, else CPU."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ClientStateError("device 'cuda' requested but torch.cuda.is_available() is False on this node")
-    return torch.device(name)
 
 
 def load_state(context: Context, d: int, device: torch.device) -> ReplicaState | None:
@@ -129,66 +115,28 @@ def apply_message(
     return state
 
 
-@functools.lru_cache(maxsize=4)
-def _partition(data_dir: str, partitioner: str, num_partitions: int, alpha: float, seed: int, cpp: int) -> tuple:
-    ds = load_fashion_mnist(data_dir)
-    parts = partition_indices(
-        ds.y_train,
-        partitioner=partitioner,
-        num_partitions=num_partitions,
-        alpha=alpha,
-        seed=seed,
-        classes_per_partition=cpp,
-    )
-    return ds, parts
-
-
-def _partition_id(context: Context) -> tuple[int, int]:
-    try:
-        return int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
-    except KeyError as err:
-        raise ClientStateError(
-            f"node {context.node_id}: node config needs 'partition-id' and 'num-partitions' "
-            '(simulation sets them; for a SuperNode pass --node-config "partition-id=0 num-partitions=N")'
-        ) from err
-
-
 def train(msg: Message, context: Context) -> Message:
     """Handle one ``train`` message (see the module docstring for the steps)."""
     settings = read_config(context.run_config)
     cfg = msg.content[CONFIG]
     device = resolve_device(settings["device"])
-    model = Net().to(device)
+    model = model_on(device)
     d = num_parameters(model)
 
     state = apply_message(
         msg.content, load_state(context, d, device), d, device, context.node_id, layout(model)
     )  # 1. replica up to date
 
-    pid, num_partitions = _partition_id(context)
-    ds, parts = _partition(
-        settings["data-dir"],
-        settings["partitioner"],
-        num_partitions,
-        settings["alpha"],
-        settings["seed"],
-        settings["classes-per-partition"],
-    )
     server_round, seed = int(cfg["server-round"]), int(cfg.get("seed", settings["seed"]))
-    rows = sample_batch(
-        parts[pid],
-        int(cfg.get("batch-size", settings["batch-size"])),
-        seed=seed,
-        partition_id=pid,
-        server_round=server_round,
+    batch_size = int(cfg.get("batch-size", settings["batch-size"]))
+    images, labels, pid = batch(
+        context, settings, server_round=server_round, seed=seed, batch_size=batch_size, device=device
     )
-    images, labels = to_tensor(ds.x_train[rows]).to(device), torch.from_numpy(ds.y_train[rows]).to(device)
 
     loss, grad = flat_gradient(model, state.x, images, labels)  # 2. gradient at x
 
     delta = lion.local_step_(state.m, grad, float(cfg["beta1"]), float(cfg["beta2"]))  # 3. δ, then m
-    coin_seed = int(np.random.SeedSequence([seed, pid, server_round]).generate_state(1)[0])
-    gen = torch.Generator(device=device).manual_seed(coin_seed)  # coin flips for exact zeros
+    gen = seeded_generator(device, seed, pid, server_round)  # coin flips for exact zeros
     packed = codec.pack_signs(delta, generator=gen)  # 4. one bit per parameter, on the device
 
     reply = RecordDict(
@@ -196,7 +144,7 @@ def train(msg: Message, context: Context) -> Message:
             DELTA: ArrayRecord({"signs": bits_array(packed, d, SIGN_STYPE)}),
             METRICS: MetricRecord(
                 {
-                    "num-examples": int(rows.size),
+                    "num-examples": int(labels.numel()),
                     "train-loss": float(loss),
                     "version": state.version,
                     "checksum": checksum(state.x),

@@ -9,12 +9,10 @@ from dataclasses import dataclass, field
 from logging import INFO, WARNING
 from typing import Any, Literal
 
-import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
-from flwr.serverapp.strategy.strategy_utils import sample_nodes
 from flwr.supercore import log
 
 from .. import codec, lion
@@ -27,15 +25,15 @@ from ..protocol import (
     REPLY_METRICS,
     SIGN_STYPE,
     UPDATE,
+    RejectedReply,
+    check_envelope,
     checksum,
     message_bytes,
+    read_metrics,
 )
+from .common import check_common_args, flatten, log_sampling, sample, unflatten
 
 __all__ = ["DistributedLion", "RejectedReply"]
-
-
-class RejectedReply(ValueError):
-    """A client reply that cannot be used; the message says why."""
 
 
 @dataclass
@@ -127,24 +125,19 @@ class DistributedLion(Strategy):
     ) -> None:
         if aggregation not in ("vote", "mean"):
             raise ValueError(f"aggregation must be 'vote' or 'mean', got {aggregation!r}")
-        if not (math.isfinite(lr) and lr > 0.0):
-            raise ValueError(f"Invalid learning rate: {lr} (must be finite and > 0)")
-        if not (math.isfinite(weight_decay) and weight_decay >= 0.0):
-            raise ValueError(f"Invalid weight_decay value: {weight_decay} (must be finite and >= 0)")
+        check_common_args(
+            lr=lr,
+            weight_decay=weight_decay,
+            betas={"beta1": beta1, "beta2": beta2},
+            fraction_train=fraction_train,
+            minimums={
+                "min_train_nodes": min_train_nodes,
+                "min_available_nodes": min_available_nodes,
+                "min_replies": min_replies,
+            },
+        )
         if lr * weight_decay >= 1.0:
             raise ValueError(f"lr * weight_decay must be < 1 (got {lr * weight_decay}): x would flip sign every step")
-        for name, beta in (("beta1", beta1), ("beta2", beta2)):
-            if not 0.0 <= beta < 1.0:
-                raise ValueError(f"Invalid {name} parameter: {beta} (must be in [0, 1))")
-        if not 0.0 < fraction_train <= 1.0:
-            raise ValueError(f"fraction_train must be in (0, 1], got {fraction_train}")
-        for name, value in (
-            ("min_train_nodes", min_train_nodes),
-            ("min_available_nodes", min_available_nodes),
-            ("min_replies", min_replies),
-        ):
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
         if max_history_bytes is not None and max_history_bytes < 0:
             raise ValueError(f"max_history_bytes must be >= 0 or None, got {max_history_bytes}")
         self.aggregation = aggregation
@@ -179,14 +172,7 @@ class DistributedLion(Strategy):
             self.beta1,
             self.beta2,
         )
-        log(
-            INFO,
-            "\t└──> Sampling: fraction_train=%.2f | min_train_nodes=%d | min_available_nodes=%d | min_replies=%d",
-            self.fraction_train,
-            self.min_train_nodes,
-            self.min_available_nodes,
-            self.min_replies,
-        )
+        log_sampling(self)
 
     # ------------------------------------------------------------------ model
     @property
@@ -195,30 +181,12 @@ class DistributedLion(Strategy):
         return 0 if self.x is None else self.x.numel()
 
     def _init_model(self, arrays: ArrayRecord) -> None:
-        flats = []
-        for name, arr in arrays.items():
-            a = arr.numpy()
-            if a.dtype.kind != "f":
-                raise ValueError(
-                    f"initial array {name!r} has dtype {a.dtype}: Distributed Lion updates trainable float "
-                    "parameters only; pass an ArrayRecord of the model's named_parameters()"
-                )
-            self._layout.append((name, a.shape))
-            flats.append(torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).reshape(-1))
-        if not flats:
-            raise ValueError("initial ArrayRecord is empty")
-        self.x = torch.cat(flats).clone()
+        self.x, self._layout = flatten(arrays)
 
     def arrays(self) -> ArrayRecord:
         """The global model x as an ArrayRecord with the initial names and shapes."""
         assert self.x is not None
-        out, offset = {}, 0
-        x = self.x.numpy()
-        for name, shape in self._layout:
-            n = int(np.prod(shape, dtype=np.int64))
-            out[name] = Array(x[offset : offset + n].reshape(shape).copy())
-            offset += n
-        return ArrayRecord(out)
+        return unflatten(self.x, self._layout)
 
     # ------------------------------------------------------------------ train
     def configure_train(
@@ -228,9 +196,7 @@ class DistributedLion(Strategy):
         if self.x is None:
             self._init_model(arrays)
         assert self.x is not None
-        num_nodes = int(len(list(grid.get_node_ids())) * self.fraction_train)
-        node_ids, all_nodes = sample_nodes(grid, self.min_available_nodes, max(num_nodes, self.min_train_nodes))
-        log(INFO, "configure_train: sampled %d nodes (out of %d)", len(node_ids), len(all_nodes))
+        node_ids = sample(self, grid)
         rnd = _Round(server_round, self.version, checksum(self.x))
         self._round = rnd
         messages = []
@@ -293,15 +259,8 @@ class DistributedLion(Strategy):
     def _check_reply(self, msg: Message, rnd: _Round) -> tuple[int, bytes, dict[str, float]]:
         """Validate one reply; return (node id, packed signs, metrics) or raise RejectedReply."""
         node_id = msg.metadata.src_node_id
-        if msg.has_error():
-            raise RejectedReply(f"client error (code {msg.error.code}): {msg.error.reason}")
-        if node_id not in rnd.sent:
-            raise RejectedReply("no train message was sent to this node this round")
-        if msg.metadata.group_id != str(rnd.server_round):
-            raise RejectedReply(f"reply for round {msg.metadata.group_id!r}, the open round is {rnd.server_round}")
+        check_envelope(msg, rnd.sent.keys(), rnd.server_round, (DELTA, METRICS))
         content = msg.content
-        if set(content.keys()) != {DELTA, METRICS}:
-            raise RejectedReply(f"records {sorted(content.keys())}, expected {sorted([DELTA, METRICS])}")
         record = content[DELTA]
         if not isinstance(record, ArrayRecord) or len(record) != 1:
             raise RejectedReply(f"'{DELTA}' must be an ArrayRecord holding one Array")
@@ -313,18 +272,7 @@ class DistributedLion(Strategy):
             raise RejectedReply(f"Array shape {tuple(arr.shape)}, expected ({d},)")
         if len(arr.data) != codec.packed_size(d):
             raise RejectedReply(f"{len(arr.data)} bytes of signs, expected {codec.packed_size(d)} for d={d}")
-        metrics = content[METRICS]
-        if not isinstance(metrics, MetricRecord):
-            raise RejectedReply(f"'{METRICS}' must be a MetricRecord")
-        missing = [k for k in REPLY_METRICS if k not in metrics]
-        if missing:
-            raise RejectedReply(f"metrics missing {missing}")
-        values = {k: metrics[k] for k in REPLY_METRICS}
-        for k, v in values.items():
-            if not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise RejectedReply(f"metric {k!r} is {v!r}, expected a finite number")
-        if values["num-examples"] < 1:
-            raise RejectedReply(f"num-examples is {values['num-examples']}, expected >= 1")
+        values = read_metrics(content, METRICS, REPLY_METRICS)
         if values["version"] != rnd.base_version:
             raise RejectedReply(f"replica at version {values['version']}, expected {rnd.base_version}")
         if values["checksum"] != rnd.base_checksum:

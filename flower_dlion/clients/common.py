@@ -1,0 +1,98 @@
+"""What every client shares: its partition of the data, its minibatches, its model object.
+
+The data and the partitions are loaded once per process and cached; the model object is
+built once per device and reused (each handler loads the parameters it received into it).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import Context
+
+from ..data import FashionMNIST, load_fashion_mnist, partition_indices, sample_batch, to_tensor
+from ..model import Net
+
+__all__ = ["ClientStateError", "batch", "model_on", "partition", "partition_id", "resolve_device"]
+
+
+class ClientStateError(RuntimeError):
+    """The node's stored state or configuration cannot serve the message it received."""
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` → CUDA when available, else CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ClientStateError("device 'cuda' requested but torch.cuda.is_available() is False on this node")
+    return torch.device(name)
+
+
+@functools.lru_cache(maxsize=2)
+def model_on(device: torch.device) -> Net:
+    """One reusable model object per device (its parameters are overwritten every message)."""
+    return Net().to(device)
+
+
+def partition_id(context: Context) -> tuple[int, int]:
+    """``(partition-id, num-partitions)`` from the node config."""
+    try:
+        return int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
+    except KeyError as err:
+        raise ClientStateError(
+            f"node {context.node_id}: node config needs 'partition-id' and 'num-partitions' "
+            '(simulation sets them; for a SuperNode pass --node-config "partition-id=0 num-partitions=N")'
+        ) from err
+
+
+@functools.lru_cache(maxsize=4)
+def _partitions(
+    data_dir: str, partitioner: str, num_partitions: int, alpha: float, seed: int, cpp: int, holdout: int
+) -> tuple[FashionMNIST, list[np.ndarray]]:
+    ds = load_fashion_mnist(data_dir)
+    labels = ds.y_train[: ds.y_train.size - holdout]  # the last `holdout` images are the server's validation set
+    parts = partition_indices(
+        labels,
+        partitioner=partitioner,
+        num_partitions=num_partitions,
+        alpha=alpha,
+        seed=seed,
+        classes_per_partition=cpp,
+    )
+    return ds, parts
+
+
+def partition(context: Context, settings: dict[str, Any]) -> tuple[FashionMNIST, np.ndarray, int]:
+    """The dataset, this node's training rows and its partition id."""
+    pid, num_partitions = partition_id(context)
+    ds, parts = _partitions(
+        settings["data-dir"],
+        settings["partitioner"],
+        num_partitions,
+        settings["alpha"],
+        settings["seed"],
+        settings["classes-per-partition"],
+        settings["holdout"],
+    )
+    if not 0 <= pid < num_partitions:
+        raise ClientStateError(f"node {context.node_id}: partition-id {pid} not in [0, {num_partitions})")
+    return ds, parts[pid], pid
+
+
+def batch(
+    context: Context, settings: dict[str, Any], *, server_round: int, seed: int, batch_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The round's minibatch (images, labels) on ``device`` and the partition id."""
+    ds, rows, pid = partition(context, settings)
+    rows = sample_batch(rows, batch_size, seed=seed, partition_id=pid, server_round=server_round)
+    return to_tensor(ds.x_train[rows]).to(device), torch.from_numpy(ds.y_train[rows]).to(device), pid
+
+
+def seeded_generator(device: torch.device, *keys: int) -> torch.Generator:
+    """A torch generator on ``device`` seeded from integer keys (seed, partition, round)."""
+    seed = int(np.random.SeedSequence(list(keys)).generate_state(1)[0])
+    return torch.Generator(device=device).manual_seed(seed)

@@ -1,0 +1,62 @@
+"""The gradient-baseline client (global Lion, global AdamW, TernGrad): stateless.
+
+One ``train`` message: take the full model x the server sent, compute the gradient of
+the loss on ``batch-size`` samples of the partition, and reply with it as float32
+(``encoding="fp32"``) or TernGrad-ternarized (``quantizers.ternarize``: T float32
+scalers followed by the trits, 5 per byte, in one flat Array).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
+
+from .. import codec, quantizers
+from ..config import read_config
+from ..model import flat_gradient, layout, num_parameters
+from ..protocol import GRAD_CONFIG, GRAD_METRICS, GRAD_MODEL, GRAD_UPDATE, TERNGRAD_STYPE
+from .common import ClientStateError, batch, model_on, resolve_device, seeded_generator
+
+__all__ = ["encode_terngrad", "train"]
+
+
+def encode_terngrad(g: torch.Tensor, sizes: list[int], generator: torch.Generator) -> Array:
+    """TernGrad payload: the per-tensor scalers (float32) then the trits (5 per byte)."""
+    levels, scales = quantizers.ternarize(g, sizes, generator=generator)
+    data = scales.cpu().numpy().astype(np.float32).tobytes() + codec.encode_levels(levels, 3).cpu().numpy().tobytes()
+    return Array(dtype="terngrad", shape=(g.numel(),), stype=TERNGRAD_STYPE, data=data)
+
+
+def train(msg: Message, context: Context) -> Message:
+    """Handle one ``train`` message: gradient at the received x, sent as fp32 or TernGrad."""
+    settings = read_config(context.run_config)
+    cfg = msg.content[GRAD_CONFIG]
+    device = resolve_device(settings["device"])
+    model = model_on(device)
+    d = num_parameters(model)
+    if cfg.get("layout", layout(model)) != layout(model):
+        raise ClientStateError(f"node {context.node_id}: server model layout {cfg['layout']} != {layout(model)}")
+    x = msg.content[GRAD_MODEL]["x"].numpy()
+    if x.shape != (d,) or x.dtype != np.float32:
+        raise ClientStateError(f"node {context.node_id}: model has {x.shape} {x.dtype}, expected ({d},) float32")
+    server_round, seed = int(cfg["server-round"]), int(cfg.get("seed", settings["seed"]))
+    batch_size = int(cfg.get("batch-size", settings["batch-size"]))
+    images, labels, pid = batch(
+        context, settings, server_round=server_round, seed=seed, batch_size=batch_size, device=device
+    )
+    loss, g = flat_gradient(model, torch.from_numpy(x).to(device), images, labels)
+    if cfg["encoding"] == "fp32":
+        payload = Array(g.cpu().numpy())
+    elif cfg["encoding"] == "terngrad":
+        sizes = [p.numel() for p in model.parameters() if p.requires_grad]
+        payload = encode_terngrad(g, sizes, seeded_generator(device, seed, pid, server_round))
+    else:
+        raise ClientStateError(f"node {context.node_id}: unknown encoding {cfg['encoding']!r}")
+    reply = RecordDict(
+        {
+            GRAD_UPDATE: ArrayRecord({"payload": payload}),
+            GRAD_METRICS: MetricRecord({"num-examples": int(labels.numel()), "train-loss": float(loss)}),
+        }
+    )
+    return Message(content=reply, reply_to=msg)

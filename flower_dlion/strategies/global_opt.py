@@ -1,0 +1,299 @@
+"""The gradient baselines: clients send gradients, the server averages them and steps.
+
+Global Lion and global AdamW (fp32 gradients, 32 bits per parameter each way) and
+TernGrad (ternary gradients with a per-tensor scaler up, fp32 model down; server SGD with
+momentum). The reference points Distributed Lion is measured against (Liu et al., 2024).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from logging import INFO, WARNING
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+from flwr.supercore import log
+
+from .. import codec, lion, quantizers
+from ..model import layout_fingerprint
+from ..protocol import (
+    GRAD_CONFIG,
+    GRAD_METRICS,
+    GRAD_MODEL,
+    GRAD_UPDATE,
+    TERNGRAD_STYPE,
+    RejectedReply,
+    check_envelope,
+    read_metrics,
+)
+from .common import Layout, check_common_args, flatten, log_sampling, sample, unflatten
+
+__all__ = ["GlobalOptimizer"]
+
+Optimizer = Literal["lion", "adamw", "sgd"]
+Encoding = Literal["fp32", "terngrad"]
+
+
+class GlobalOptimizer(Strategy):
+    r"""Average the clients' gradients on the server and take one optimizer step.
+
+    Every round each sampled client receives the full model x (float32), computes the
+    gradient of its loss on one minibatch, and sends it back (``encoding``); the server
+    averages the n valid gradients ``ĝ = (1/n) Σᵢ gᵢ`` and steps:
+
+    * ``optimizer="lion"``: ``x ← x − lr·(sign(β₁·m + (1−β₁)·ĝ) + wd·x)``,
+      ``m ← β₂·m + (1−β₂)·ĝ`` (``lion.lion_step_``, the function the D-Lion clients use);
+    * ``optimizer="adamw"``: ``torch.optim.AdamW`` with betas (β₁, β₂);
+    * ``optimizer="sgd"``: ``torch.optim.SGD`` with ``momentum`` (TernGrad's optimizer).
+
+    With ``encoding="terngrad"`` the clients send TernGrad's stochastic ternary gradient
+    (``quantizers.ternarize``: one float32 scaler per tensor plus 1.6 bits per value) and
+    the server averages the unbiased estimates ``sⱼ·tⱼ``.
+
+    Parameters
+    ----------
+    optimizer : {"lion", "adamw", "sgd"} (default: "lion")
+        The server's optimizer.
+    encoding : {"fp32", "terngrad"} (default: "fp32")
+        How clients send gradients.
+    lr : float (default: 1e-3)
+        Learning rate.
+    weight_decay : float (default: 0.0)
+        Decoupled (Lion, AdamW) or L2 (SGD) weight decay.
+    beta1, beta2 : float (default: 0.9, 0.99)
+        Lion's or AdamW's betas.
+    momentum : float (default: 0.9)
+        SGD momentum.
+    fraction_train : float (default: 1.0)
+        Fraction of connected nodes sampled each round.
+    min_train_nodes : int (default: 2)
+        Minimum number of nodes sampled each round.
+    min_available_nodes : int (default: 2)
+        Wait until this many nodes are connected before sampling.
+    min_replies : int (default: 1)
+        A round with fewer valid replies applies no update.
+
+    Examples
+    --------
+    >>> strategy = GlobalOptimizer(optimizer="adamw", lr=1e-3, weight_decay=0.01)
+    >>> result = strategy.start(grid, ArrayRecord(model.state_dict()), num_rounds=100)
+
+    References
+    ----------
+    B. Liu et al., "Communication Efficient Distributed Training with Distributed Lion", 2024;
+    W. Wen et al., "TernGrad", NeurIPS 2017.
+
+    """
+
+    def __init__(
+        self,
+        *,
+        optimizer: Optimizer = "lion",
+        encoding: Encoding = "fp32",
+        lr: float = 1e-3,
+        weight_decay: float = 0.0,
+        beta1: float = 0.9,
+        beta2: float = 0.99,
+        momentum: float = 0.9,
+        fraction_train: float = 1.0,
+        min_train_nodes: int = 2,
+        min_available_nodes: int = 2,
+        min_replies: int = 1,
+    ) -> None:
+        if optimizer not in ("lion", "adamw", "sgd"):
+            raise ValueError(f"optimizer must be 'lion', 'adamw' or 'sgd', got {optimizer!r}")
+        if encoding not in ("fp32", "terngrad"):
+            raise ValueError(f"encoding must be 'fp32' or 'terngrad', got {encoding!r}")
+        check_common_args(
+            lr=lr,
+            weight_decay=weight_decay,
+            betas={"beta1": beta1, "beta2": beta2, "momentum": momentum},
+            fraction_train=fraction_train,
+            minimums={
+                "min_train_nodes": min_train_nodes,
+                "min_available_nodes": min_available_nodes,
+                "min_replies": min_replies,
+            },
+        )
+        self.optimizer = optimizer
+        self.encoding = encoding
+        self.lr = lr
+        self.weight_decay = weight_decay
+        self.beta1 = beta1
+        self.beta2 = beta2
+        self.momentum = momentum
+        self.fraction_train = fraction_train
+        self.min_train_nodes = min_train_nodes
+        self.min_available_nodes = min_available_nodes
+        self.min_replies = min_replies
+
+        self.x: torch.Tensor | None = None  # global model, flat float32
+        self._layout: Layout = []
+        self._sizes: list[int] = []
+        self._m: torch.Tensor | None = None  # Lion momentum (optimizer="lion")
+        self._torch_opt: torch.optim.Optimizer | None = None
+        self._param: torch.nn.Parameter | None = None
+        self._sent: dict[int, int] = {}  # node id → round, for the round in progress
+        self._open_round = 0
+        self.history: list[dict[str, Any]] = []
+
+    def summary(self) -> None:
+        """Log the strategy's configuration."""
+        log(INFO, "\t├──> Global %s on averaged %s gradients", self.optimizer, self.encoding)
+        log(
+            INFO,
+            "\t│\t└──lr=%g | weight_decay=%g | beta1=%g | beta2=%g | momentum=%g",
+            self.lr,
+            self.weight_decay,
+            self.beta1,
+            self.beta2,
+            self.momentum,
+        )
+        log_sampling(self)
+
+    @property
+    def num_parameters(self) -> int:
+        """Length d of the flat parameter vector (0 before the first round)."""
+        return 0 if self.x is None else self.x.numel()
+
+    def _init_model(self, arrays: ArrayRecord) -> None:
+        self.x, self._layout = flatten(arrays)
+        self._sizes = [int(np.prod(shape, dtype=np.int64)) for _, shape in self._layout]
+        if self.optimizer == "lion":
+            self._m = torch.zeros_like(self.x)
+        else:
+            self._param = torch.nn.Parameter(self.x, requires_grad=False)  # shares storage with x
+            if self.optimizer == "adamw":
+                self._torch_opt = torch.optim.AdamW(
+                    [self._param], lr=self.lr, betas=(self.beta1, self.beta2), weight_decay=self.weight_decay
+                )
+            else:
+                self._torch_opt = torch.optim.SGD(
+                    [self._param], lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay
+                )
+
+    def arrays(self) -> ArrayRecord:
+        """The global model x as an ArrayRecord with the initial names and shapes."""
+        assert self.x is not None
+        return unflatten(self.x, self._layout)
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Sample nodes and send each one the full model."""
+        if self.x is None:
+            self._init_model(arrays)
+        assert self.x is not None
+        node_ids = sample(self, grid)
+        cfg = ConfigRecord(dict(config))
+        cfg.update(
+            {"server-round": server_round, "encoding": self.encoding, "layout": layout_fingerprint(self._layout)}
+        )
+        content = RecordDict({GRAD_CONFIG: cfg, GRAD_MODEL: ArrayRecord({"x": Array(self.x.numpy().copy())})})
+        self._open_round = server_round
+        self._sent = dict.fromkeys(node_ids, server_round)
+        return [
+            Message(content=content, dst_node_id=node_id, message_type=MessageType.TRAIN, group_id=str(server_round))
+            for node_id in node_ids
+        ]
+
+    def _check_reply(self, msg: Message, server_round: int) -> tuple[torch.Tensor, dict[str, float]]:
+        """Validate one reply; return (decoded gradient, metrics) or raise RejectedReply."""
+        check_envelope(msg, self._sent, server_round, (GRAD_UPDATE, GRAD_METRICS))
+        record = msg.content[GRAD_UPDATE]
+        if not isinstance(record, ArrayRecord) or list(record.keys()) != ["payload"]:
+            raise RejectedReply(f"'{GRAD_UPDATE}' must be an ArrayRecord holding one Array 'payload'")
+        arr = record["payload"]
+        d = self.num_parameters
+        if self.encoding == "fp32":
+            if arr.stype != "numpy.ndarray" or arr.dtype != "float32" or tuple(arr.shape) != (d,):
+                raise RejectedReply(f"gradient is {arr.stype} {arr.dtype} {tuple(arr.shape)}, expected float32 ({d},)")
+            try:
+                g = torch.from_numpy(arr.numpy().copy())
+            except Exception as err:
+                raise RejectedReply(f"gradient does not decode: {err}") from err
+        else:
+            if arr.stype != TERNGRAD_STYPE or tuple(arr.shape) != (d,):
+                raise RejectedReply(f"payload is {arr.stype!r} {tuple(arr.shape)}, expected {TERNGRAD_STYPE!r} ({d},)")
+            num_scales = 4 * len(self._sizes)
+            expected = num_scales + codec.encoded_size(d, 3)
+            if len(arr.data) != expected:
+                raise RejectedReply(f"{len(arr.data)} payload bytes, expected {expected}")
+            scales = torch.from_numpy(np.frombuffer(arr.data[:num_scales], dtype=np.float32).copy())
+            if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
+                raise RejectedReply("TernGrad scalers must be finite and >= 0")
+            try:
+                levels = codec.decode_levels(arr.data[num_scales:], 3, d)
+            except ValueError as err:
+                raise RejectedReply(str(err)) from err
+            g = quantizers.unternarize(levels, scales, self._sizes)
+        if not bool(torch.isfinite(g).all()):
+            raise RejectedReply("gradient has non-finite values")
+        return g, read_metrics(msg.content, GRAD_METRICS, ("num-examples", "train-loss"))
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Validate the replies, average their gradients and take one optimizer step."""
+        if self.x is None or server_round != self._open_round:
+            raise RuntimeError(f"aggregate_train({server_round}) without configure_train for that round")
+        total: torch.Tensor | None = None
+        n = rejected = 0
+        losses, examples = [], []
+        for msg in replies:
+            try:
+                g, values = self._check_reply(msg, server_round)
+            except RejectedReply as err:
+                rejected += 1
+                log(WARNING, "round %d: rejected reply from node %d: %s", server_round, msg.metadata.src_node_id, err)
+                continue
+            total = g if total is None else total.add_(g)
+            n += 1
+            losses.append(values["train-loss"])
+            examples.append(values["num-examples"])
+        applied = n >= self.min_replies and total is not None
+        if applied:
+            self._step(total.div_(n))  # ĝ = (1/n) Σ gᵢ
+        else:
+            log(WARNING, "round %d: %d valid replies < min_replies=%d, x unchanged", server_round, n, self.min_replies)
+        num_examples = sum(examples)
+        metrics = {
+            "num-replies": n,
+            "num-rejected": rejected,
+            "num-sampled": len(self._sent),
+            "applied": int(applied),
+            "train-loss": sum(v * e for v, e in zip(losses, examples, strict=True)) / num_examples
+            if num_examples
+            else math.nan,
+            "num-examples": int(num_examples),
+        }
+        self.history.append({"round": server_round, **metrics})
+        self._sent, self._open_round = {}, 0
+        return self.arrays(), MetricRecord(metrics)
+
+    def _step(self, g: torch.Tensor) -> None:
+        assert self.x is not None
+        if self.optimizer == "lion":
+            assert self._m is not None
+            lion.lion_step_(
+                self.x, self._m, g, lr=self.lr, weight_decay=self.weight_decay, beta1=self.beta1, beta2=self.beta2
+            )
+            return
+        assert self._param is not None and self._torch_opt is not None
+        self._param.grad = g
+        self._torch_opt.step()
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """No federated evaluation: x is evaluated on the server (``evaluate_fn``)."""
+        return []
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        """Nothing to aggregate (see :meth:`configure_evaluate`)."""
+        return None

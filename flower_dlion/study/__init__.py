@@ -1,0 +1,1 @@
+"""The study harness: sweeps of strategy × clients × partition × seed, and their report."""

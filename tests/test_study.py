@@ -1,0 +1,190 @@
+"""The study harness: every strategy end to end, the resumable sweep, the report."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord
+from flwr.serverapp.strategy import FedAvg
+
+from flower_dlion.client_app import app as client_app
+from flower_dlion.config import STRATEGIES
+from flower_dlion.data import load_fashion_mnist, partition_indices, to_tensor
+from flower_dlion.local_grid import LocalGrid
+from flower_dlion.metering import MeteredGrid
+from flower_dlion.model import Net
+from flower_dlion.server_app import run_federation, train_config
+from flower_dlion.strategies import DistributedLion
+from flower_dlion.study import report, sweep
+from tests.test_data_config import fake_fashion_dir
+
+D = 281_034  # parameters of the shipped model
+
+
+@pytest.fixture(scope="module")
+def fake_data(tmp_path_factory: pytest.TempPathFactory) -> str:
+    folder = tmp_path_factory.mktemp("fashion")
+    fake_fashion_dir(folder, n_train=80, n_test=40)
+    return str(folder)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_every_strategy_runs_end_to_end_with_measured_bytes(strategy: str, fake_data: str, tmp_path: Path) -> None:
+    # Prepare: 3 clients, 2 rounds on a tiny stand-in dataset (the math is tested elsewhere)
+    cfg = {
+        "strategy": strategy,
+        "num-server-rounds": 2,
+        "eval-every": 1,
+        "batch-size": 8,
+        "partitioner": "iid",
+        "data-dir": fake_data,
+        "results-dir": str(tmp_path),
+        "lr": 0.001,
+    }
+    # Execute
+    run_federation(LocalGrid(client_app, 3, run_config=cfg), cfg, save_model=False)
+    # Assert: every client answered; bytes per reply = payload + headers (< 1 KB; FedAvg: 8 arrays, < 5 KB)
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [r["num_replies"] for r in rows[1:]] == [3, 3] and all(r["num_errors"] == 0 for r in rows)
+    payload = {"fp32": 4 * D, "sign": -(-D // 8), "tern": 4 * 8 + -(-D // 5)}
+    kind = {"global-lion": "fp32", "global-adamw": "fp32", "fedavg": "fp32", "terngrad": "tern"}.get(strategy, "sign")
+    for r in rows[1:]:
+        per_reply = r["bytes_up"] / 3
+        assert payload[kind] < per_reply < payload[kind] + (5000 if strategy == "fedavg" else 1000), (kind, per_reply)
+        assert r["accuracy"] is not None and r["train_loss"] > 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["strategy"] == strategy and summary["total_mb_up"] * 1e6 == sum(r["bytes_up"] for r in rows)
+
+
+def test_meter_agrees_with_distributed_lions_own_byte_metrics(fake_data: str) -> None:
+    cfg = {"batch-size": 8, "partitioner": "iid", "data-dir": fake_data}
+    grid = MeteredGrid(LocalGrid(client_app, 3, run_config=cfg))
+    strategy = DistributedLion(lr=0.001)
+    arrays = ArrayRecord({k: Array(v.detach().numpy()) for k, v in Net().named_parameters()})
+    strategy.start(grid, arrays, num_rounds=3, train_config=ConfigRecord({"batch-size": 8, "seed": 0}))
+    assert [e.bytes_up for e in grid.exchanges] == [h["bytes-up"] for h in strategy.history]
+    assert [e.bytes_down for e in grid.exchanges] == [h["bytes-down"] for h in strategy.history]
+
+
+def test_fedavg_round_is_the_weighted_mean_of_local_sgd_epochs(fake_data: str) -> None:
+    # Prepare
+    cfg = {
+        "strategy": "fedavg",
+        "batch-size": 8,
+        "partitioner": "dirichlet",
+        "alpha": 1.0,
+        "data-dir": fake_data,
+        "lr": 0.05,
+        "local-epochs": 2,
+    }
+    torch.manual_seed(0)
+    model = Net()
+    arrays = ArrayRecord(model.state_dict())
+    strategy = FedAvg(fraction_evaluate=0.0)
+    # Execute
+    result = strategy.start(
+        LocalGrid(client_app, 2, run_config=cfg),
+        arrays,
+        num_rounds=1,
+        train_config=train_config({**cfg, "seed": 0, "momentum": 0.9, "weight-decay": 0.0}),
+    )
+    # Assert: redo both clients' local SGD by hand and average by partition size
+    ds = load_fashion_mnist(fake_data)
+    parts = partition_indices(ds.y_train, partitioner="dirichlet", num_partitions=2, alpha=1.0, seed=0)
+    locals_, sizes = [], []
+    for pid, rows in enumerate(parts):
+        local = Net()
+        local.load_state_dict(arrays.to_torch_state_dict())
+        opt = torch.optim.SGD(local.parameters(), lr=0.05, momentum=0.9)
+        rng = np.random.default_rng([0, pid, 1])
+        x, y = to_tensor(ds.x_train[rows]), torch.from_numpy(ds.y_train[rows])
+        for _ in range(2):
+            order = torch.from_numpy(rng.permutation(rows.size))
+            for s in range(0, rows.size, 8):
+                idx = order[s : s + 8]
+                loss = torch.nn.functional.cross_entropy(local(x[idx]), y[idx])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+        locals_.append(local.state_dict())
+        sizes.append(rows.size)
+    got = result.arrays.to_torch_state_dict()
+    for name, value in got.items():
+        want = sum(sd[name] * n for sd, n in zip(locals_, sizes, strict=True)) / sum(sizes)
+        torch.testing.assert_close(value, want, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- sweep and report
+STUDY = """
+[study]
+out = "out"
+strategies = ["dlion-vote", "global-lion"]
+num-clients = [2]
+partitions = ["iid", "dirichlet-0.5"]
+seeds = [0]
+seeds-by-clients = {{"2" = [0, 1]}}
+
+[common]
+num-server-rounds = 2
+eval-every = 1
+batch-size = 8
+data-dir = "{data}"
+
+[strategy.global-lion]
+lr = 0.001
+"""
+
+
+def test_sweep_resumes_after_an_interruption(fake_data: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Prepare: a sweep of 8 cells that is interrupted during its third cell
+    study = tmp_path / "study.toml"
+    study.write_text(STUDY.format(data=fake_data))
+    out, cells = sweep.load_study(study)
+    assert len(cells) == 8 and [c.seed for c in cells] == [0] * 4 + [1] * 4  # first seeds first
+    real_run_cell, calls, interrupt = sweep.run_cell, [], [True]
+
+    def run_cell(cell: sweep.Cell, out: Path, threads: int | None = None) -> dict:
+        calls.append(cell.name)
+        if interrupt[0] and len(calls) == 3:
+            (out / "cells" / f"{cell.name}.json.tmp").write_text("{half a file")  # killed mid-write
+            raise KeyboardInterrupt
+        return real_run_cell(cell, out, threads)
+
+    monkeypatch.setattr(sweep, "run_cell", run_cell)
+    with pytest.raises(KeyboardInterrupt):
+        sweep.run_sweep(study)
+    assert sorted(p.name for p in (out / "cells").glob("*.json")) == sorted(f"{n}.json" for n in calls[:2])
+    # Execute: run again
+    calls.clear()
+    interrupt[0] = False
+    sweep.run_sweep(study)
+    # Assert: only the 6 unfinished cells ran; every cell has its file
+    assert len(calls) == 6 and not set(calls) & {c.name for c in cells[:2]}
+    assert len(list((out / "cells").glob("*.json"))) == 8
+    # A changed hyperparameter makes its cells stale: they run again, the others do not
+    study.write_text(STUDY.format(data=fake_data).replace("lr = 0.001", "lr = 0.002"))
+    calls.clear()
+    sweep.run_sweep(study)
+    assert sorted(calls) == sorted(c.name for c in cells if c.strategy == "global-lion")
+
+    # The report: tables with mean ± std over the 2 seeds, one PNG per partition
+    md = tmp_path / "RESULTS.md"
+    md.write_text("# Results\n\nhand-written analysis\n\n<!-- BEGIN GENERATED -->\nold\n<!-- END GENERATED -->\ntail\n")
+    text = report.write_report(study, md, tmp_path / "figures")
+    records = report.load_cells(study)
+    finals = [r["summary"]["final_accuracy"] for r in records if r["name"].startswith("dlion-vote_iid")]
+    assert len(finals) == 2 and f"| dlion-vote | {report.mean_std(finals)} [2] |" in text
+    written = md.read_text()
+    assert "hand-written analysis" in written and written.endswith("tail\n") and "old" not in written
+    assert (tmp_path / "figures" / "study-iid.png").stat().st_size > 10_000
+    assert (tmp_path / "figures" / "study-dirichlet-0.5.png").is_file()
+
+
+def test_mean_std_and_partition_specs() -> None:
+    assert report.mean_std([0.5, 0.7]) == "0.600 ± 0.141" and report.mean_std([0.25]) == "0.250"
+    assert sweep.parse_partition("dirichlet-0.1") == {"partitioner": "dirichlet", "alpha": 0.1}
+    assert sweep.parse_partition("pathological-2") == {"partitioner": "pathological", "classes-per-partition": 2}
+    with pytest.raises(ValueError, match="partition 'dirichlet-x'"):
+        sweep.parse_partition("dirichlet-x")
