@@ -73,6 +73,8 @@ def as_uint8(buf: torch.Tensor | bytes | np.ndarray) -> torch.Tensor:
 
 def pack_bits(bits: torch.Tensor) -> torch.Tensor:
     """Pack a 1-D boolean tensor into ⌈d/8⌉ bytes (MSB first), on the tensor's device."""
+    if bits.device.type == "cpu":  # numpy's C loop: one pass, no temporaries
+        return torch.from_numpy(np.packbits(bits.reshape(-1).numpy().view(np.uint8), bitorder="big"))
     d = bits.numel()
     b = bits.reshape(-1).to(torch.uint8)
     if d % 8:
@@ -89,6 +91,8 @@ def unpack_bits(packed: torch.Tensor | bytes | np.ndarray, d: int) -> torch.Tens
     p = as_uint8(packed)
     if p.numel() != packed_size(d):
         raise ValueError(f"expected {packed_size(d)} packed bytes for {d} bits, got {p.numel()}")
+    if p.device.type == "cpu":
+        return torch.from_numpy(np.unpackbits(p.numpy(), count=d, bitorder="big").view(np.bool_))
     shifts = torch.tensor(_SHIFTS, dtype=torch.uint8, device=p.device)
     return ((p.unsqueeze(1) >> shifts) & 1).view(-1)[:d].bool()
 
@@ -196,6 +200,8 @@ def decode_levels(buf: torch.Tensor | bytes | np.ndarray, num_levels: int, d: in
     if fmt == TRIT5:
         if bool((p > 242).any()):
             raise ValueError("trit5 byte above 242 (3^5 - 1): corrupted payload")
+        if p.device.type == "cpu":  # numpy's gather avoids the int64 index copy
+            return torch.from_numpy(_trit_lut(p.device).numpy()[p.numpy()].reshape(-1)[:d].astype(np.int32))
         return _trit_lut(p.device)[p.long()].view(-1)[:d].to(torch.int32)
     n8 = packed_size(d)
     k = torch.zeros(d, dtype=torch.int32, device=p.device)

@@ -33,6 +33,7 @@ FedAvg uses Flower's own ``FedAvg`` messages ("arrays", "config"; reply "arrays"
 from __future__ import annotations
 
 import math
+import weakref
 import zlib
 from collections.abc import Container, Sequence
 
@@ -120,11 +121,19 @@ def checksum(x: torch.Tensor) -> int:
     return zlib.crc32(np.ascontiguousarray(x.detach().cpu().numpy(), dtype=np.float32).tobytes())
 
 
+_SIZES: weakref.WeakKeyDictionary[Message, int] = weakref.WeakKeyDictionary()
+
+
 def message_bytes(message: Message) -> int:
     """Bytes a message puts on the wire: its serialized objects as Flower 1.41+ sends them.
 
     Flower sends a message as a tree of content-addressed objects (message, record dict,
     records, arrays, array chunks), each deflated with a small header; this sums the
-    deflated size of every distinct object in the tree.
+    deflated size of every distinct object in the tree. Measured once per message object
+    (the strategy and the metering grid see the same objects; a sent message is not changed).
     """
-    return sum(len(obj.deflate()) for obj in get_all_nested_objects(message).values())
+    size = _SIZES.get(message)
+    if size is None:
+        size = sum(len(obj.deflate()) for obj in get_all_nested_objects(message).values())
+        _SIZES[message] = size
+    return size

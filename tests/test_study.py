@@ -188,3 +188,16 @@ def test_mean_std_and_partition_specs() -> None:
     assert sweep.parse_partition("pathological-2") == {"partitioner": "pathological", "classes-per-partition": 2}
     with pytest.raises(ValueError, match="partition 'dirichlet-x'"):
         sweep.parse_partition("dirichlet-x")
+
+
+def test_a_variant_is_another_strategys_settings_with_overrides(tmp_path: Path) -> None:
+    study = tmp_path / "study.toml"
+    study.write_text(
+        STUDY.format(data="/nowhere").replace('"global-lion"]', '"global-lion", "lion-slow"]')
+        + '\n[variant.lion-slow]\nstrategy = "global-lion"\nbeta1 = 0.95\n'
+    )
+    _, cells = sweep.load_study(study)
+    slow = [c for c in cells if c.label == "lion-slow"]
+    assert len(slow) == 4 and all(c.name.startswith("lion-slow_") for c in slow)
+    assert all(c.strategy == "global-lion" and c.run_config["strategy"] == "global-lion" for c in slow)
+    assert all(c.run_config["lr"] == 0.001 and c.run_config["beta1"] == 0.95 for c in slow)  # base + override

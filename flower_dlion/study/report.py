@@ -30,7 +30,11 @@ BEGIN, END = "<!-- BEGIN GENERATED -->", "<!-- END GENERATED -->"
 
 
 def load_cells(study_file: Path) -> list[dict[str, Any]]:
-    """The finished cells of a study (cells not run yet are left out)."""
+    """The finished cells of a study (cells not run yet are left out).
+
+    ``strategy`` is replaced by the cell's label (the strategy or variant name) and the
+    run-config strategy kept as ``base_strategy``.
+    """
     out, cells = load_study(study_file)
     records = []
     for cell in cells:
@@ -38,6 +42,7 @@ def load_cells(study_file: Path) -> list[dict[str, Any]]:
         if path.is_file():
             record = json.loads(path.read_text())
             if record.get("key") == cell.key():
+                record["base_strategy"], record["strategy"] = cell.strategy, cell.label
                 records.append(record)
     return records
 
@@ -163,7 +168,7 @@ def write_report(study_file: Path, out: Path, figures: Path, tuning_file: Path |
     records = load_cells(study_file)
     _, cells = load_study(study_file)
     rounds = {
-        s: sorted({c.run_config.get("num-server-rounds", 200) for c in cells if c.strategy == s})
+        s: sorted({c.run_config.get("num-server-rounds", 200) for c in cells if c.label == s})
         for s in study["study"]["strategies"]
     }
     parts = [

@@ -21,6 +21,10 @@ strategy's hyperparameters (a list value sweeps that key, e.g. for tuning)::
     [strategy.dlion-vote]                # run config of this strategy's cells
     lr = [0.001, 0.002]
 
+    [variant.fedavg-slow]                # listed in strategies like a strategy: another
+    strategy = "fedavg"                  # strategy's settings with these keys on top
+    lr = 0.03
+
 Every cell runs the real ServerApp logic (``run_federation``) and ClientApp on an
 in-process Flower grid (``LocalGrid``: every message and context serialized, no Ray),
 which gives the same results as ``flwr run`` (``tests/test_simulation.py``). A finished
@@ -54,7 +58,8 @@ class Cell:
     """One federation of the grid."""
 
     name: str
-    strategy: str
+    strategy: str  # the run-config strategy
+    label: str  # the strategy or the variant name, as the report shows it
     num_clients: int
     partition: str
     seed: int
@@ -91,25 +96,30 @@ def load_study(path: Path) -> tuple[Path, list[Cell]]:
     out = (path.parent / study.get("out", "study")).resolve()
     common = spec.get("common", {})
     per_strategy = spec.get("strategy", {})
-    unknown = sorted(set(study["strategies"]) - set(STRATEGIES))
+    variants = spec.get("variant", {})
+    unknown = sorted(set(study["strategies"]) - set(STRATEGIES) - set(variants))
     if unknown:
-        raise ValueError(f"{path}: unknown strategies {unknown}; known: {list(STRATEGIES)}")
+        known = list(STRATEGIES) + list(variants)
+        raise ValueError(f"{path}: unknown strategies {unknown}; known: {known}")
     seeds_for = study.get("seeds-by-clients", {})  # e.g. {"8": [0, 1, 2]}: more seeds for some n
     cells = []
-    for strategy in study["strategies"]:
-        params = per_strategy.get(strategy, {})
+    for label in study["strategies"]:
+        strategy = variants[label]["strategy"] if label in variants else label
+        params = {**per_strategy.get(strategy, {}), **variants.get(label, {})}
+        params.pop("strategy", None)
+        label_seeds = params.pop("seeds-by-clients", seeds_for)  # a variant may run fewer seeds
         swept = sorted(k for k, v in params.items() if isinstance(v, list))
         fixed = {k: v for k, v in params.items() if not isinstance(v, list)}
         for values in itertools.product(*(params[k] for k in swept)):
             for n, part in itertools.product(study["num-clients"], study["partitions"]):
-                for seed in seeds_for.get(str(n), study["seeds"]):
+                for seed in label_seeds.get(str(n), study["seeds"]):
                     cfg = {**common, **fixed, **dict(zip(swept, values, strict=True))}
                     cfg.update(parse_partition(part))
                     cfg.update({"strategy": strategy, "seed": seed})
                     read_config(cfg)  # fail early on a bad key or value
                     extra = "".join(f"_{k}{_short(v)}" for k, v in zip(swept, values, strict=True))
-                    name = f"{strategy}_{part}_n{n}_s{seed}{extra}"
-                    cells.append(Cell(name, strategy, n, part, seed, cfg))
+                    name = f"{label}_{part}_n{n}_s{seed}{extra}"
+                    cells.append(Cell(name, strategy, label, n, part, seed, cfg))
     cells.sort(key=lambda c: c.seed)  # every setting's first seed before any extra seed
     return out, cells
 
@@ -160,6 +170,7 @@ def run_cell(cell: Cell, out: Path, threads: int | None = None) -> dict[str, Any
         "name": cell.name,
         "key": cell.key(),
         "strategy": cell.strategy,
+        "label": cell.label,
         "num_clients": cell.num_clients,
         "partition": cell.partition,
         "seed": cell.seed,
