@@ -17,6 +17,7 @@ Flower's protobuf serialization, as on a SuperLink, minus the network) and times
 Usage::
 
     python benchmarks/round_breakdown.py [--strategy dlion-vote] [--clients 10] [--rounds 200]
+        [--eval-every 20] [--batch-size 64]
 
 The reference is the training compute itself: the share of the wall time spent outside it
 is printed as the overhead ratio.
@@ -104,6 +105,7 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--eval-every", type=int, default=20)
+    parser.add_argument("--batch-size", type=int, default=64)
     args = parser.parse_args()
     logging.getLogger("flwr").setLevel(logging.WARNING)
     instrument()
@@ -114,6 +116,7 @@ def main() -> None:
             "strategy": args.strategy,
             "num-server-rounds": args.rounds,
             "eval-every": args.eval_every,
+            "batch-size": args.batch_size,
             "results-dir": tmp,
         }
         grid = local_grid.LocalGrid(client_app, args.clients, run_config=cfg)
@@ -124,7 +127,8 @@ def main() -> None:
     parts["other"] = wall - sum(parts.values())
     training = parts.get("gradient", 0.0) + parts.get("fedavg local training", 0.0)
     print(
-        f"# {args.strategy}, {args.clients} clients, {args.rounds} rounds, eval every {args.eval_every}; "
+        f"# {args.strategy}, {args.clients} clients, {args.rounds} rounds, batch {args.batch_size}, "
+        f"eval every {args.eval_every}; "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} CPUs"
     )
