@@ -24,11 +24,15 @@ __all__ = ["CLIP", "ternarize", "unternarize"]
 CLIP = 2.5  # Wen et al.'s clipping factor c
 
 
-def _segments(sizes: Sequence[int], d: int) -> torch.Tensor:
-    """Tensor index of every flat position."""
+def _check_sizes(sizes: Sequence[int], d: int) -> None:
     if sum(sizes) != d or any(s < 1 for s in sizes):
         raise ValueError(f"tensor sizes {list(sizes)} must be positive and sum to d={d}")
-    return torch.repeat_interleave(torch.arange(len(sizes)), torch.as_tensor(list(sizes)))
+
+
+def _per_value(scales: torch.Tensor, sizes: Sequence[int], d: int) -> torch.Tensor:
+    """Each tensor's scaler repeated over its values (length d)."""
+    _check_sizes(sizes, d)
+    return torch.repeat_interleave(scales, torch.as_tensor(list(sizes), device=scales.device), output_size=d)
 
 
 def ternarize(
@@ -56,7 +60,7 @@ def ternarize(
 
     """
     g = g.float()
-    seg = _segments(sizes, g.numel()).to(g.device)
+    _check_sizes(sizes, g.numel())
     parts = []
     for gj in torch.split(g, list(sizes)):
         if clip is not None:
@@ -65,7 +69,7 @@ def ternarize(
         parts.append(gj)
     g = torch.cat(parts)
     scales = torch.stack([gj.abs().max() for gj in parts])  # sⱼ = max|gⱼ|
-    s = scales[seg]
+    s = _per_value(scales, sizes, g.numel())
     prob = torch.where(s > 0, g.abs() / torch.where(s > 0, s, 1.0), 0.0)  # P(bⱼ = 1) = |gⱼ|/sⱼ
     u = torch.rand(g.numel(), generator=generator, device=g.device)
     t = torch.where(u < prob, g.sign(), 0.0)  # sign(gⱼ)·bⱼ
@@ -74,5 +78,5 @@ def ternarize(
 
 def unternarize(levels: torch.Tensor, scales: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
     """ĝ = sⱼ · (levels − 1) as float32, the unbiased estimate of the (clipped) gradient."""
-    seg = _segments(sizes, levels.numel()).to(levels.device)
-    return (levels.to(torch.float32) - 1.0) * scales.to(torch.float32).to(levels.device)[seg]
+    per_value = _per_value(scales.to(torch.float32).to(levels.device), sizes, levels.numel())
+    return (levels.to(torch.float32) - 1.0) * per_value

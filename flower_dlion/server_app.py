@@ -146,7 +146,7 @@ def run_federation(grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, s
             "num_errors": 0,
         }
         if server_round > 0:
-            ex = [e for e in metered.exchanges if e.message_type == MessageType.TRAIN][-1]
+            ex = next(e for e in reversed(metered.exchanges) if e.message_type == MessageType.TRAIN)
             row.update(
                 {
                     "train_loss": ex.train_loss,

@@ -13,10 +13,20 @@ import numpy as np
 import torch
 from flwr.app import Context
 
+from ..config import read_config
 from ..data import FashionMNIST, load_fashion_mnist, partition_indices, sample_batch, to_tensor
 from ..model import Net
 
-__all__ = ["ClientStateError", "batch", "model_on", "partition", "partition_id", "resolve_device"]
+__all__ = [
+    "ClientStateError",
+    "batch",
+    "model_on",
+    "partition",
+    "partition_id",
+    "resolve_device",
+    "seeded_generator",
+    "setup",
+]
 
 
 class ClientStateError(RuntimeError):
@@ -36,6 +46,13 @@ def resolve_device(name: str) -> torch.device:
 def model_on(device: torch.device) -> Net:
     """One reusable model object per device (its parameters are overwritten every message)."""
     return Net().to(device)
+
+
+def setup(context: Context) -> tuple[dict[str, Any], torch.device, Net]:
+    """The node's checked run config, its device and the model object on it."""
+    settings = read_config(context.run_config)
+    device = resolve_device(settings["device"])
+    return settings, device, model_on(device)
 
 
 def partition_id(context: Context) -> tuple[int, int]:

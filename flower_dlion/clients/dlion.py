@@ -20,10 +20,9 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
 from .. import codec, lion
-from ..config import read_config
 from ..model import flat_gradient, layout, num_parameters
 from ..protocol import CONFIG, DELTA, LEVELS_STYPE, METRICS, SIGN_STYPE, UPDATE, bits_array, checksum
-from .common import ClientStateError, batch, model_on, resolve_device, seeded_generator
+from .common import ClientStateError, batch, resolve_device, seeded_generator, setup
 
 __all__ = ["ClientStateError", "ReplicaState", "apply_message", "load_state", "resolve_device", "save_state", "train"]
 
@@ -117,10 +116,8 @@ def apply_message(
 
 def train(msg: Message, context: Context) -> Message:
     """Handle one ``train`` message (see the module docstring for the steps)."""
-    settings = read_config(context.run_config)
+    settings, device, model = setup(context)
     cfg = msg.content[CONFIG]
-    device = resolve_device(settings["device"])
-    model = model_on(device)
     d = num_parameters(model)
 
     state = apply_message(

@@ -13,19 +13,16 @@ import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from torch import nn
 
-from ..config import read_config
 from ..data import to_tensor
-from .common import model_on, partition, resolve_device
+from .common import partition, setup
 
 __all__ = ["train"]
 
 
 def train(msg: Message, context: Context) -> Message:
     """Handle one FedAvg ``train`` message."""
-    settings = read_config(context.run_config)
+    settings, device, model = setup(context)
     cfg = msg.content["config"]
-    device = resolve_device(settings["device"])
-    model = model_on(device)
     model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
     ds, rows, pid = partition(context, settings)
     images, labels = to_tensor(ds.x_train[rows]).to(device), torch.from_numpy(ds.y_train[rows]).to(device)

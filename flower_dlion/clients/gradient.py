@@ -13,10 +13,9 @@ import torch
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
 
 from .. import codec, quantizers
-from ..config import read_config
 from ..model import flat_gradient, layout, num_parameters
 from ..protocol import GRAD_CONFIG, GRAD_METRICS, GRAD_MODEL, GRAD_UPDATE, TERNGRAD_STYPE
-from .common import ClientStateError, batch, model_on, resolve_device, seeded_generator
+from .common import ClientStateError, batch, seeded_generator, setup
 
 __all__ = ["encode_terngrad", "train"]
 
@@ -30,13 +29,12 @@ def encode_terngrad(g: torch.Tensor, sizes: list[int], generator: torch.Generato
 
 def train(msg: Message, context: Context) -> Message:
     """Handle one ``train`` message: gradient at the received x, sent as fp32 or TernGrad."""
-    settings = read_config(context.run_config)
+    settings, device, model = setup(context)
     cfg = msg.content[GRAD_CONFIG]
-    device = resolve_device(settings["device"])
-    model = model_on(device)
     d = num_parameters(model)
-    if cfg.get("layout", layout(model)) != layout(model):
-        raise ClientStateError(f"node {context.node_id}: server model layout {cfg['layout']} != {layout(model)}")
+    mine = layout(model)
+    if cfg.get("layout", mine) != mine:
+        raise ClientStateError(f"node {context.node_id}: server model layout {cfg['layout']} != {mine}")
     x = msg.content[GRAD_MODEL]["x"].numpy()
     if x.shape != (d,) or x.dtype != np.float32:
         raise ClientStateError(f"node {context.node_id}: model has {x.shape} {x.dtype}, expected ({d},) float32")

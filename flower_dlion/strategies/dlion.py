@@ -9,10 +9,8 @@ from dataclasses import dataclass, field
 from logging import INFO, WARNING
 from typing import Any, Literal
 
-import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Strategy
 from flwr.supercore import log
 
 from .. import codec, lion
@@ -31,7 +29,7 @@ from ..protocol import (
     message_bytes,
     read_metrics,
 )
-from .common import check_common_args, flatten, log_sampling, sample, unflatten
+from .common import ServerModelStrategy, check_common_args
 
 __all__ = ["DistributedLion", "RejectedReply"]
 
@@ -59,7 +57,7 @@ class _Round:
     bytes_down_fp32: int = 0
 
 
-class DistributedLion(Strategy):
+class DistributedLion(ServerModelStrategy):
     r"""Distributed Lion (Liu et al., 2024) on Flower's Message API.
 
     Each sampled client keeps its own replica of x and its own Lion momentum, and
@@ -125,16 +123,16 @@ class DistributedLion(Strategy):
     ) -> None:
         if aggregation not in ("vote", "mean"):
             raise ValueError(f"aggregation must be 'vote' or 'mean', got {aggregation!r}")
+        super().__init__(
+            fraction_train=fraction_train,
+            min_train_nodes=min_train_nodes,
+            min_available_nodes=min_available_nodes,
+            min_replies=min_replies,
+        )
         check_common_args(
             lr=lr,
             weight_decay=weight_decay,
             betas={"beta1": beta1, "beta2": beta2},
-            fraction_train=fraction_train,
-            minimums={
-                "min_train_nodes": min_train_nodes,
-                "min_available_nodes": min_available_nodes,
-                "min_replies": min_replies,
-            },
         )
         if lr * weight_decay >= 1.0:
             raise ValueError(f"lr * weight_decay must be < 1 (got {lr * weight_decay}): x would flip sign every step")
@@ -145,16 +143,10 @@ class DistributedLion(Strategy):
         self.weight_decay = weight_decay
         self.beta1 = beta1
         self.beta2 = beta2
-        self.fraction_train = fraction_train
-        self.min_train_nodes = min_train_nodes
-        self.min_available_nodes = min_available_nodes
-        self.min_replies = min_replies
         self.max_history_bytes = max_history_bytes
 
         # Global model and its bookkeeping, set from the initial arrays in round 1.
-        self.x: torch.Tensor | None = None
         self.version = 0
-        self._layout: list[tuple[str, tuple[int, ...]]] = []
         self._history: deque[_Broadcast] = deque()
         self._node_version: dict[int, int] = {}
         self._round: _Round | None = None
@@ -172,21 +164,7 @@ class DistributedLion(Strategy):
             self.beta1,
             self.beta2,
         )
-        log_sampling(self)
-
-    # ------------------------------------------------------------------ model
-    @property
-    def num_parameters(self) -> int:
-        """Length d of the flat parameter vector (0 before the first round)."""
-        return 0 if self.x is None else self.x.numel()
-
-    def _init_model(self, arrays: ArrayRecord) -> None:
-        self.x, self._layout = flatten(arrays)
-
-    def arrays(self) -> ArrayRecord:
-        """The global model x as an ArrayRecord with the initial names and shapes."""
-        assert self.x is not None
-        return unflatten(self.x, self._layout)
+        self._log_sampling()
 
     # ------------------------------------------------------------------ train
     def configure_train(
@@ -196,7 +174,7 @@ class DistributedLion(Strategy):
         if self.x is None:
             self._init_model(arrays)
         assert self.x is not None
-        node_ids = sample(self, grid)
+        node_ids = self._sample(grid)
         rnd = _Round(server_round, self.version, checksum(self.x))
         self._round = rnd
         messages = []
@@ -364,14 +342,3 @@ class DistributedLion(Strategy):
         limit = 4 * self.num_parameters if self.max_history_bytes is None else self.max_history_bytes
         while self._history and sum(len(b.payload) for b in self._history) > limit:
             self._history.popleft()
-
-    # ------------------------------------------------------------------ evaluate
-    def configure_evaluate(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        """No federated evaluation: the global x is evaluated on the server (``evaluate_fn``)."""
-        return []
-
-    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        """Nothing to aggregate (see :meth:`configure_evaluate`)."""
-        return None

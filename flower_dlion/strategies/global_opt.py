@@ -16,7 +16,6 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Strategy
 from flwr.supercore import log
 
 from .. import codec, lion, quantizers
@@ -31,7 +30,7 @@ from ..protocol import (
     check_envelope,
     read_metrics,
 )
-from .common import Layout, check_common_args, flatten, log_sampling, sample, unflatten
+from .common import ServerModelStrategy, check_common_args
 
 __all__ = ["GlobalOptimizer"]
 
@@ -39,7 +38,7 @@ Optimizer = Literal["lion", "adamw", "sgd"]
 Encoding = Literal["fp32", "terngrad"]
 
 
-class GlobalOptimizer(Strategy):
+class GlobalOptimizer(ServerModelStrategy):
     r"""Average the clients' gradients on the server and take one optimizer step.
 
     Every round each sampled client receives the full model x (float32), computes the
@@ -109,16 +108,16 @@ class GlobalOptimizer(Strategy):
             raise ValueError(f"optimizer must be 'lion', 'adamw' or 'sgd', got {optimizer!r}")
         if encoding not in ("fp32", "terngrad"):
             raise ValueError(f"encoding must be 'fp32' or 'terngrad', got {encoding!r}")
+        super().__init__(
+            fraction_train=fraction_train,
+            min_train_nodes=min_train_nodes,
+            min_available_nodes=min_available_nodes,
+            min_replies=min_replies,
+        )
         check_common_args(
             lr=lr,
             weight_decay=weight_decay,
             betas={"beta1": beta1, "beta2": beta2, "momentum": momentum},
-            fraction_train=fraction_train,
-            minimums={
-                "min_train_nodes": min_train_nodes,
-                "min_available_nodes": min_available_nodes,
-                "min_replies": min_replies,
-            },
         )
         self.optimizer = optimizer
         self.encoding = encoding
@@ -127,13 +126,7 @@ class GlobalOptimizer(Strategy):
         self.beta1 = beta1
         self.beta2 = beta2
         self.momentum = momentum
-        self.fraction_train = fraction_train
-        self.min_train_nodes = min_train_nodes
-        self.min_available_nodes = min_available_nodes
-        self.min_replies = min_replies
 
-        self.x: torch.Tensor | None = None  # global model, flat float32
-        self._layout: Layout = []
         self._sizes: list[int] = []
         self._m: torch.Tensor | None = None  # Lion momentum (optimizer="lion")
         self._torch_opt: torch.optim.Optimizer | None = None
@@ -154,15 +147,11 @@ class GlobalOptimizer(Strategy):
             self.beta2,
             self.momentum,
         )
-        log_sampling(self)
-
-    @property
-    def num_parameters(self) -> int:
-        """Length d of the flat parameter vector (0 before the first round)."""
-        return 0 if self.x is None else self.x.numel()
+        self._log_sampling()
 
     def _init_model(self, arrays: ArrayRecord) -> None:
-        self.x, self._layout = flatten(arrays)
+        super()._init_model(arrays)
+        assert self.x is not None
         self._sizes = [int(np.prod(shape, dtype=np.int64)) for _, shape in self._layout]
         if self.optimizer == "lion":
             self._m = torch.zeros_like(self.x)
@@ -177,11 +166,6 @@ class GlobalOptimizer(Strategy):
                     [self._param], lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay
                 )
 
-    def arrays(self) -> ArrayRecord:
-        """The global model x as an ArrayRecord with the initial names and shapes."""
-        assert self.x is not None
-        return unflatten(self.x, self._layout)
-
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
@@ -189,7 +173,7 @@ class GlobalOptimizer(Strategy):
         if self.x is None:
             self._init_model(arrays)
         assert self.x is not None
-        node_ids = sample(self, grid)
+        node_ids = self._sample(grid)
         cfg = ConfigRecord(dict(config))
         cfg.update(
             {"server-round": server_round, "encoding": self.encoding, "layout": layout_fingerprint(self._layout)}
@@ -287,13 +271,3 @@ class GlobalOptimizer(Strategy):
         assert self._param is not None and self._torch_opt is not None
         self._param.grad = g
         self._torch_opt.step()
-
-    def configure_evaluate(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        """No federated evaluation: x is evaluated on the server (``evaluate_fn``)."""
-        return []
-
-    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        """Nothing to aggregate (see :meth:`configure_evaluate`)."""
-        return None

@@ -32,8 +32,7 @@ BEGIN, END = "<!-- BEGIN GENERATED -->", "<!-- END GENERATED -->"
 def load_cells(study_file: Path) -> list[dict[str, Any]]:
     """The finished cells of a study (cells not run yet are left out).
 
-    ``strategy`` is replaced by the cell's label (the strategy or variant name) and the
-    run-config strategy kept as ``base_strategy``.
+    Each record gets ``label``: the strategy or variant name the tables and plots show.
     """
     out, cells = load_study(study_file)
     records = []
@@ -42,7 +41,7 @@ def load_cells(study_file: Path) -> list[dict[str, Any]]:
         if path.is_file():
             record = json.loads(path.read_text())
             if record.get("key") == cell.key():
-                record["base_strategy"], record["strategy"] = cell.strategy, cell.label
+                record["label"] = cell.label
                 records.append(record)
     return records
 
@@ -70,10 +69,10 @@ def _order(values: Iterable[Any], reference: Sequence[Any]) -> list[Any]:
 
 def results_tables(records: list[dict[str, Any]], study: dict[str, Any]) -> str:
     """Accuracy tables per partition and a bytes table, as Markdown."""
-    strategies = _order((r["strategy"] for r in records), study["strategies"])
+    strategies = _order((r["label"] for r in records), study["strategies"])
     clients = _order((r["num_clients"] for r in records), study["num-clients"])
     partitions = _order((r["partition"] for r in records), study["partitions"])
-    by = _group(records, "strategy", "partition", "num_clients")
+    by = _group(records, "label", "partition", "num_clients")
     lines = []
     for metric, title in (("final_accuracy", "Final test accuracy"), ("best_accuracy", "Best test accuracy")):
         lines.append(f"### {title} (mean ± std over seeds; seeds per cell in brackets)\n")
@@ -95,9 +94,9 @@ def results_tables(records: list[dict[str, Any]], study: dict[str, Any]) -> str:
     lines.append("|---|---|" + "---|" * (len(clients) + 1))
     for s in strategies:
         row, bits = [], []
-        rounds = sorted({g["summary"]["rounds"] for g in records if g["strategy"] == s})
+        rounds = sorted({g["summary"]["rounds"] for g in records if g["label"] == s})
         for n in clients:
-            group = [g for g in records if g["strategy"] == s and g["num_clients"] == n]
+            group = [g for g in records if g["label"] == s and g["num_clients"] == n]
             if not group:
                 row.append("–")
                 continue
@@ -115,7 +114,7 @@ def results_tables(records: list[dict[str, Any]], study: dict[str, Any]) -> str:
 def tuning_table(records: list[dict[str, Any]], swept: str = "lr") -> str:
     """One row per strategy: the validation accuracy at each value of the swept key; the best in bold."""
     lines = ["| strategy | " + f"{swept}: validation accuracy (best in bold) |", "|---|---|"]
-    for s, group in _group(records, "strategy").items():
+    for s, group in _group(records, "label").items():
         group = sorted(group, key=lambda g: g["run_config"][swept])
         best = max(g["summary"]["final_accuracy"] for g in group)
         cells = []
@@ -134,12 +133,12 @@ def plot_partition(records: list[dict[str, Any]], study: dict[str, Any], partiti
     import matplotlib.pyplot as plt
 
     clients = _order((r["num_clients"] for r in records), study["num-clients"])
-    strategies = _order((r["strategy"] for r in records), study["strategies"])
+    strategies = _order((r["label"] for r in records), study["strategies"])
     fig, axes = plt.subplots(2, len(clients), figsize=(4 * len(clients), 7), squeeze=False)
     colors = {s: f"C{i}" for i, s in enumerate(study["strategies"])}
     for j, n in enumerate(clients):
         for s in strategies:
-            group = [r for r in records if r["partition"] == partition and r["num_clients"] == n and r["strategy"] == s]
+            group = [r for r in records if r["partition"] == partition and r["num_clients"] == n and r["label"] == s]
             for k, r in enumerate(sorted(group, key=lambda g: g["seed"])):
                 ev = r["evals"]
                 kw = {"color": colors[s], "alpha": 0.9 if k == 0 else 0.4, "label": s if k == 0 else None}
