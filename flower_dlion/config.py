@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["DEFAULTS", "STRATEGIES", "read_config"]
+__all__ = ["DEFAULTS", "DLION_ONLY", "DLION_STRATEGIES", "STRATEGIES", "read_config"]
 
 DEFAULTS: dict[str, Any] = {
     "num-server-rounds": 200,
@@ -20,6 +20,13 @@ DEFAULTS: dict[str, Any] = {
     "beta2": 0.99,
     "momentum": 0.9,
     "local-epochs": 1,
+    "local-steps": 1,
+    "accumulate": 1,
+    "upload": "sign",
+    "broadcast-bits": 0,
+    "momentum-sync-every": 0,
+    "momentum-sync-layers": "",
+    "init": "full",
     "batch-size": 64,
     "fraction-train": 1.0,
     "min-replies": 1,
@@ -40,7 +47,21 @@ _CHOICES = {
     "strategy": STRATEGIES,
     "partitioner": ("iid", "dirichlet", "pathological", "shard"),
     "device": ("auto", "cpu", "cuda"),
+    "upload": ("sign", "sum", "ef-sign"),
+    "init": ("full", "seed"),
 }
+
+DLION_STRATEGIES = ("dlion-vote", "dlion-mean", "signsgd-vote")
+# Keys that only the Distributed Lion family reads; their defaults turn them off.
+DLION_ONLY = (
+    "local-steps",
+    "accumulate",
+    "upload",
+    "broadcast-bits",
+    "momentum-sync-every",
+    "momentum-sync-layers",
+    "init",
+)
 
 
 def read_config(run_config: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -67,7 +88,16 @@ def read_config(run_config: Mapping[str, Any] | None) -> dict[str, Any]:
     for key, choices in _CHOICES.items():
         if cfg[key] not in choices:
             raise ValueError(f"run-config '{key}' must be one of {choices}, got {cfg[key]!r}")
-    positive = ("num-server-rounds", "batch-size", "eval-every", "min-replies", "classes-per-partition", "local-epochs")
+    positive = (
+        "num-server-rounds",
+        "batch-size",
+        "eval-every",
+        "min-replies",
+        "classes-per-partition",
+        "local-epochs",
+        "local-steps",
+        "accumulate",
+    )
     for key in positive:
         if cfg[key] < 1:
             raise ValueError(f"run-config '{key}' must be >= 1, got {cfg[key]}")
@@ -80,4 +110,19 @@ def read_config(run_config: Mapping[str, Any] | None) -> dict[str, Any]:
         raise ValueError(f"run-config 'fraction-train' must be in (0, 1], got {cfg['fraction-train']}")
     if cfg["alpha"] <= 0:
         raise ValueError(f"run-config 'alpha' must be > 0, got {cfg['alpha']}")
+    if not 0 <= cfg["broadcast-bits"] <= 8:
+        raise ValueError(
+            f"run-config 'broadcast-bits' must be in [0, 8] (0: exact levels), got {cfg['broadcast-bits']}"
+        )
+    if cfg["momentum-sync-every"] < 0:
+        raise ValueError(f"run-config 'momentum-sync-every' must be >= 0 (0: never), got {cfg['momentum-sync-every']}")
+    if cfg["strategy"] not in DLION_STRATEGIES:
+        changed = sorted(k for k in DLION_ONLY if cfg[k] != DEFAULTS[k])
+        if changed:
+            raise ValueError(f"run-config {changed} apply to {DLION_STRATEGIES} only, not to {cfg['strategy']!r}")
+    if cfg["upload"] == "ef-sign" and cfg["strategy"] == "dlion-mean" and cfg["broadcast-bits"] == 0:
+        raise ValueError(
+            "run-config upload='ef-sign' with the mean needs 'broadcast-bits' >= 1: "
+            "a mean of scaled signs has no exact low-bit form"
+        )
     return cfg

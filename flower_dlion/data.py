@@ -212,11 +212,12 @@ def partition_indices(
 
 
 def sample_batch(
-    indices: np.ndarray, batch_size: int, *, seed: int, partition_id: int, server_round: int
+    indices: np.ndarray, batch_size: int, *, seed: int, partition_id: int, server_round: int, step: int = 0
 ) -> np.ndarray:
-    """The minibatch a client uses in a round: ``batch_size`` rows drawn without replacement.
+    """The ``step``-th minibatch a client uses in a round: ``batch_size`` rows drawn without replacement.
 
-    Seeded by (seed, partition, round), so a run is reproducible and needs no sampler state.
+    Seeded by (seed, partition, round[, step]), so a run is reproducible and needs no sampler state.
     """
-    rng = np.random.default_rng([seed, partition_id, server_round])
+    keys = [seed, partition_id, server_round] + ([step] if step else [])
+    rng = np.random.default_rng(keys)
     return rng.choice(indices, size=min(batch_size, indices.size), replace=False)

@@ -17,11 +17,21 @@ Algorithms", 2023 (Lion).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal, NamedTuple
 
 import torch
 
-__all__ = ["Levels", "aggregate", "apply_update_", "direction", "lion_step_", "local_step_", "update_momentum_"]
+__all__ = [
+    "Levels",
+    "aggregate",
+    "apply_update_",
+    "direction",
+    "lion_step_",
+    "local_step_",
+    "local_steps_",
+    "update_momentum_",
+]
 
 Aggregation = Literal["vote", "mean"]
 
@@ -61,6 +71,32 @@ def lion_step_(
     return apply_update_(x, local_step_(m, g, beta1, beta2), lr, weight_decay)
 
 
+def local_steps_(
+    x: torch.Tensor,
+    m: torch.Tensor,
+    gradient: Callable[[torch.Tensor, int], torch.Tensor],
+    *,
+    steps: int,
+    lr: float,
+    weight_decay: float,
+    beta1: float,
+    beta2: float,
+) -> torch.Tensor:
+    """K local Lion steps (FedLion's client), in place on ``x`` and ``m``.
+
+    ``gradient(x, k)`` returns the gradient at ``x`` for step ``k``. Returns the integer sum
+    of the K directions ``U = Σₖ δₖ`` (float32 values in ``[−K, K]``). The last step's
+    update is not applied to ``x``: the server's broadcast replaces the local copy.
+    """
+    total = torch.zeros_like(x)
+    for k in range(steps):
+        delta = local_step_(m, gradient(x, k), beta1, beta2)  # δₖ from mₖ, then mₖ₊₁
+        total.add_(delta)  # U += δₖ
+        if k + 1 < steps:
+            apply_update_(x, delta, lr, weight_decay)  # move the local copy
+    return total
+
+
 class Levels(NamedTuple):
     """An aggregated update as integer levels: ``Δ = (2·levels − (L−1)) / (L−1)``."""
 
@@ -68,22 +104,31 @@ class Levels(NamedTuple):
     num_levels: int
 
 
-def aggregate(votes: torch.Tensor, n: int, how: Aggregation) -> Levels:
-    """Aggregate the vote sum ``S = Σδᵢ`` of ``n`` workers into Δ, as levels.
+def aggregate(votes: torch.Tensor, n: int, how: Aggregation, k: int = 1) -> Levels:
+    """Aggregate the sum ``S = Σᵢ uᵢ`` of ``n`` workers' integer updates ``uᵢ ∈ [−k, k]``.
 
-    vote: ``Δ = sign(S)``, 0 on a tie (never broken toward one side). With odd ``n`` no
-    tie is possible, so Δ ∈ {−1, +1} needs 2 levels; with even ``n`` it needs 3.
-    mean: ``Δ = S / n`` with ``S ∈ {−n, −n+2, …, n}``: n + 1 levels ``k = (S + n) / 2``.
+    With one Lion step per round (``k = 1``) the uᵢ are the signs δᵢ; with K local steps
+    they are the sums of the K signs (``k = K``, FedLion's upload).
+
+    vote: ``Δ = sign(S)``, 0 on a tie (never broken toward one side). With ``k = 1`` and odd
+    ``n`` no tie is possible, so Δ ∈ {−1, +1} needs 2 levels; otherwise it needs 3.
+    mean: ``Δ = S / (n·k)`` (multiply by ``k`` for the mean of the uᵢ). With ``k = 1``,
+    ``S ∈ {−n, −n+2, …, n}``: n + 1 levels ``(S + n) / 2``; with ``k > 1`` every integer in
+    ``[−nk, nk]`` can occur: 2nk + 1 levels ``S + nk``.
 
     Use :func:`flower_dlion.codec.levels_to_values` to get Δ itself.
     """
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
     s = votes.to(torch.int32)
     if how == "vote":
-        if n % 2:
+        if n % 2 and k == 1:
             return Levels((s > 0).to(torch.int32), 2)  # S is odd: never 0
         return Levels(torch.sign(s) + 1, 3)  # −1, 0, +1 → 0, 1, 2
     if how == "mean":
-        return Levels((s + n) // 2, n + 1)
+        if k == 1:
+            return Levels((s + n) // 2, n + 1)
+        return Levels(s + n * k, 2 * n * k + 1)
     raise ValueError(f"aggregation must be 'vote' or 'mean', got {how!r}")

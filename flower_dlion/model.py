@@ -19,10 +19,12 @@ __all__ = [
     "evaluate",
     "flat_gradient",
     "flat_parameters",
+    "layer_mask",
     "layout",
     "layout_fingerprint",
     "load_flat_",
     "num_parameters",
+    "seeded_net",
 ]
 
 
@@ -51,6 +53,31 @@ class Net(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Logits for a batch of shape (B, 1, 28, 28)."""
         return self.classifier(self.features(x))
+
+
+def seeded_net(seed: int) -> Net:
+    """``Net()`` initialized from ``torch.manual_seed(seed)``, without touching the global RNG.
+
+    The server's initial model; a client given the same seed builds the same x₀ (checked by
+    checksum), so the first download can be a seed instead of the model.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return Net()
+
+
+def layer_mask(names_and_shapes: Iterable[tuple[str, Sequence[int]]], prefixes: Sequence[str]) -> torch.Tensor:
+    """Boolean mask over the flat parameters: True for tensors whose name starts with a prefix.
+
+    An empty ``prefixes`` selects every parameter.
+    """
+    parts = []
+    for name, shape in names_and_shapes:
+        n = 1
+        for s in shape:
+            n *= int(s)
+        parts.append(torch.full((n,), not prefixes or name.startswith(tuple(prefixes)), dtype=torch.bool))
+    return torch.cat(parts)
 
 
 def num_parameters(model: nn.Module) -> int:

@@ -2,16 +2,29 @@
 
 Server → client (``train``)::
 
-    "dlion.config"  ConfigRecord  server-round, kind ("full" | "deltas" | "none"),
-                                  base-version, version, num-levels[], lr[], weight-decay[],
-                                  beta1, beta2, batch-size, seed, layout
-    "dlion.update"  ArrayRecord   one Array "payload": the full x (float32) for kind "full",
-                                  the encoded Δs back to back (stype "dlion.levels") for "deltas"
+    "dlion.config"   ConfigRecord  server-round, kind ("full" | "deltas" | "none"),
+                                   base-version, version, num-levels[], lr[], weight-decay[],
+                                   [scales[] (per Δ, one float per tensor)], beta1, beta2,
+                                   batch-size, seed, layout, local-steps, accumulate, upload,
+                                   [local-lr, local-weight-decay], [init-seed, init-checksum],
+                                   [momentum-sync, momentum-sync-layers]
+    "dlion.update"   ArrayRecord   one Array "payload": the full x (float32) for kind "full",
+                                   the encoded Δs back to back (stype "dlion.levels") for "deltas"
+    "dlion.momentum" ArrayRecord   (after a momentum-sync round) Array "m": the averaged
+                                   momentum of the synchronized layers, float32
+
+A new node of a run with ``init = "seed"`` gets "init-seed" and "init-checksum" instead of
+the full model, builds x₀ itself (``model.seeded_net``), and applies the Δs since version 0.
+A Δ's value is ``scale · (2k − (L−1)) / (L−1)`` for level k of L (scale 1 when absent).
 
 Client → server::
 
-    "dlion.delta"    ArrayRecord   one Array "signs": dtype "bit", shape (d,),
-                                   stype "dlion.sign1", ⌈d/8⌉ bytes
+    "dlion.delta"    ArrayRecord   upload "sign" / "ef-sign": Array "signs", dtype "bit",
+                                   shape (d,), stype "dlion.sign1", ⌈d/8⌉ bytes;
+                                   upload "sum": Array "levels", dtype "level", shape (d,),
+                                   stype "dlion.levels", the 2K+1 levels of U + K;
+                                   "ef-sign": also Array "scales", float32, one per tensor;
+                                   a momentum-sync round: also Array "momentum", float32
     "dlion.metrics"  MetricRecord  num-examples, train-loss, version, checksum
 
 Versions count the Δs applied to x since the start. ``checksum`` is the CRC-32 of the
@@ -51,6 +64,8 @@ __all__ = [
     "GRAD_UPDATE",
     "LEVELS_STYPE",
     "METRICS",
+    "MOMENTUM",
+    "SEED_MISMATCH",
     "SIGN_STYPE",
     "TERNGRAD_STYPE",
     "UPDATE",
@@ -60,12 +75,15 @@ __all__ = [
     "checksum",
     "message_bytes",
     "read_metrics",
+    "sync_prefixes",
 ]
 
 CONFIG = "dlion.config"
 UPDATE = "dlion.update"
 DELTA = "dlion.delta"
 METRICS = "dlion.metrics"
+MOMENTUM = "dlion.momentum"
+SEED_MISMATCH = "x0 built from seed"  # in a client's error when its x₀ differs from the server's
 SIGN_STYPE = "dlion.sign1"
 LEVELS_STYPE = "dlion.levels"
 REPLY_METRICS = ("num-examples", "train-loss", "version", "checksum")
@@ -110,10 +128,15 @@ def read_metrics(content: RecordDict, name: str, keys: Sequence[str]) -> dict[st
     return values
 
 
-def bits_array(packed: torch.Tensor, count: int, stype: str) -> Array:
+def bits_array(packed: torch.Tensor, count: int, stype: str, dtype: str = "bit") -> Array:
     """Wrap packed bytes (any device) as one flat Flower Array of ``count`` values."""
     data = packed.cpu().numpy().tobytes()  # the only device → host copy: the packed bits
-    return Array(dtype="bit", shape=(count,), stype=stype, data=data)
+    return Array(dtype=dtype, shape=(count,), stype=stype, data=data)
+
+
+def sync_prefixes(layers: str) -> tuple[str, ...]:
+    """Run config ``momentum-sync-layers`` ("features.0, classifier") as name prefixes; () = all."""
+    return tuple(p.strip() for p in layers.split(",") if p.strip())
 
 
 def checksum(x: torch.Tensor) -> int:

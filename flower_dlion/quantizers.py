@@ -1,6 +1,9 @@
-"""TernGrad (Wen et al., 2017): stochastic ternary gradients with a per-tensor scaler.
+"""Lossy quantizers with one float32 scale per tensor: TernGrad, scaled sign, uniform, error feedback.
 
-Imports torch only. For each tensor j of the flat gradient g (slices given by ``sizes``)::
+Imports torch only (and the level mapping of :mod:`flower_dlion.codec`).
+
+**TernGrad** (Wen et al., 2017): stochastic ternary gradients. For each tensor j of the
+flat gradient g (slices given by ``sizes``)::
 
     σⱼ = std(gⱼ)                                  # population standard deviation
     gⱼ ← clamp(gⱼ, −c·σⱼ, c·σⱼ)                   # gradient clipping, c = 2.5 in the paper
@@ -9,8 +12,18 @@ Imports torch only. For each tensor j of the flat gradient g (slices given by ``
     tⱼ = sign(gⱼ) · bⱼ  ∈ {−1, 0, +1}              # sent as a trit: levels tⱼ + 1 ∈ {0, 1, 2}
     ĝⱼ = sⱼ · tⱼ                                   # E[ĝⱼ] = gⱼ (of the clipped gradient)
 
-Reference: W. Wen et al., "TernGrad: Ternary Gradients to Reduce Communication in
-Distributed Deep Learning", NeurIPS 2017.
+**Error-feedback quantization** (:func:`quantize`, :func:`ef_quantize_`), used for the
+1-bit scaled-sign upload and the p-bit broadcast of Distributed Lion's extensions::
+
+    L = 2:       levels = [vⱼ ≥ 0],  sⱼ = mean |vⱼ|          # scaled sign: ±sⱼ (the L2-best scale)
+    L = 2ᵖ − 1:  sⱼ = max |vⱼ|,  levels = round((vⱼ/sⱼ + 1)·(L−1)/2)
+    v̂ⱼ = sⱼ · (2·levels − (L−1)) / (L−1)                     # codec.levels_to_values × scale
+    error feedback:  w = v + e,  quantize w,  e ← w − ŵ     # what was not sent is sent later
+
+References: W. Wen et al., "TernGrad: Ternary Gradients to Reduce Communication in
+Distributed Deep Learning", NeurIPS 2017; S. P. Karimireddy et al., "Error Feedback Fixes
+SignSGD and other Gradient Compression Schemes", ICML 2019; S. Ishikawa et al.,
+"Lion Cub: Minimizing Communication Overhead in Distributed Lion", 2024.
 """
 
 from __future__ import annotations
@@ -19,7 +32,9 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["CLIP", "ternarize", "unternarize"]
+from .codec import levels_to_values
+
+__all__ = ["CLIP", "dequantize", "ef_quantize_", "quantize", "ternarize", "unternarize"]
 
 CLIP = 2.5  # Wen et al.'s clipping factor c
 
@@ -80,3 +95,59 @@ def unternarize(levels: torch.Tensor, scales: torch.Tensor, sizes: Sequence[int]
     """ĝ = sⱼ · (levels − 1) as float32, the unbiased estimate of the (clipped) gradient."""
     per_value = _per_value(scales.to(torch.float32).to(levels.device), sizes, levels.numel())
     return (levels.to(torch.float32) - 1.0) * per_value
+
+
+def quantize(v: torch.Tensor, sizes: Sequence[int], num_levels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deterministically quantize a flat vector to ``num_levels`` levels, one scale per tensor.
+
+    Parameters
+    ----------
+    v : torch.Tensor
+        Flat float vector of length d = ``sum(sizes)``.
+    sizes : sequence of int
+        Number of values of each tensor, in flat order.
+    num_levels : int
+        2 (scaled sign, scale = mean |vⱼ|; 0 is sent as +sⱼ) or an odd number ≥ 3
+        (symmetric uniform grid with 0 on it, scale = max |vⱼ|, round to nearest).
+
+    Returns
+    -------
+    levels : torch.Tensor
+        int32 in ``[0, num_levels)``, length d, on ``v``'s device.
+    scales : torch.Tensor
+        float32 scale sⱼ of each tensor.
+
+    """
+    if num_levels != 2 and (num_levels < 3 or num_levels % 2 == 0):
+        raise ValueError(f"num_levels must be 2 or an odd number >= 3, got {num_levels}")
+    v = v.float()
+    _check_sizes(sizes, v.numel())
+    parts = torch.split(v, list(sizes))
+    if num_levels == 2:
+        scales = torch.stack([p.abs().mean() for p in parts])  # sⱼ = mean|vⱼ|
+        return (v >= 0).to(torch.int32), scales
+    scales = torch.stack([p.abs().max() for p in parts])  # sⱼ = max|vⱼ|
+    s = _per_value(scales, sizes, v.numel())
+    half = (num_levels - 1) // 2
+    unit = torch.where(s > 0, v / torch.where(s > 0, s, 1.0), 0.0)  # in [−1, 1]
+    return (torch.round(unit * half) + half).to(torch.int32), scales
+
+
+def dequantize(levels: torch.Tensor, num_levels: int, scales: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
+    """``sⱼ · (2·levels − (L−1)) / (L−1)`` as float32 (bit-identical on CPU and GPU)."""
+    per_value = _per_value(scales.to(torch.float32).to(levels.device), sizes, levels.numel())
+    return levels_to_values(levels, num_levels) * per_value
+
+
+def ef_quantize_(
+    v: torch.Tensor, error: torch.Tensor, sizes: Sequence[int], num_levels: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``v + error`` and keep what was lost in ``error`` (in place).
+
+    Returns the ``(levels, scales)`` of :func:`quantize`; afterwards
+    ``error = v + error_before − dequantize(levels, …)``.
+    """
+    w = v.float() + error  # add what earlier rounds did not send
+    levels, scales = quantize(w, sizes, num_levels)
+    error.copy_(w - dequantize(levels, num_levels, scales, sizes))  # remember this round's loss
+    return levels, scales

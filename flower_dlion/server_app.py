@@ -20,6 +20,7 @@ from .config import read_config
 from .data import load_fashion_mnist, to_tensor
 from .metering import MeteredGrid
 from .model import Net, evaluate
+from .protocol import sync_prefixes
 from .strategies.dlion import DistributedLion
 from .strategies.global_opt import GlobalOptimizer
 
@@ -56,6 +57,13 @@ def build_strategy(cfg: dict[str, Any]) -> Strategy:
             weight_decay=cfg["weight-decay"],
             beta1=beta1,
             beta2=beta2,
+            local_steps=cfg["local-steps"],
+            accumulate=cfg["accumulate"],
+            upload=cfg["upload"],
+            broadcast_bits=cfg["broadcast-bits"],
+            momentum_sync_every=cfg["momentum-sync-every"],
+            momentum_sync_layers=sync_prefixes(cfg["momentum-sync-layers"]),
+            init_seed=cfg["seed"] if cfg["init"] == "seed" else None,  # x₀ = model.seeded_net(seed)
             **common,
         )
     if name in ("global-lion", "global-adamw", "terngrad"):
@@ -113,7 +121,7 @@ def run_federation(grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, s
     log(INFO, "[flower-dlion] %s, results directory: %s", cfg["strategy"], out_dir)
 
     torch.manual_seed(cfg["seed"])
-    model = Net()
+    model = Net()  # the same x₀ as model.seeded_net(seed), which init = "seed" clients build
     initial = ArrayRecord({name: Array(p.detach().numpy().copy()) for name, p in model.named_parameters()})
     eval_name, eval_x, eval_y = evaluation_set(cfg)
     strategy = build_strategy(cfg)

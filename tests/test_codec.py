@@ -105,11 +105,11 @@ def test_count_ones_hand_computed() -> None:
     assert codec.count_ones([], 4).tolist() == [0, 0, 0, 0]
 
 
-def test_codec_imports_no_flwr() -> None:
+def test_codec_lion_and_quantizers_import_no_flwr() -> None:
     import subprocess
     import sys
 
-    code = "import sys, flower_dlion.codec, flower_dlion.lion; print('flwr' in sys.modules)"
+    code = "import sys, flower_dlion.codec, flower_dlion.lion, flower_dlion.quantizers; print('flwr' in sys.modules)"
     assert (
         subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
         == "False"

@@ -115,7 +115,7 @@ def test_replicas_equal_server_x_after_rounds_with_faults(how: str, caplog: pyte
     grid.reset_node(1003)
     run_rounds(strategy, grid, 3, start=5)
     # Assert: faults were reported, rounds went on, and every replica equals x bit for bit
-    assert "rejected reply from node 1002: 1 bytes of signs" in caplog.text
+    assert "rejected reply from node 1002: Array 'signs' has 1 bytes" in caplog.text
     assert "rejected reply from node 1003: client error" in caplog.text and "has no replica" in caplog.text
     assert [h["num-replies"] for h in strategy.history] == [4, 4, 3, 4, 3, 4, 4]
     assert [h["full-syncs"] for h in strategy.history] == [4, 0, 0, 1, 0, 1, 0]

@@ -160,7 +160,7 @@ def _corruptions(instruction: Message) -> dict[str, tuple[Message, str]]:
     return {
         "wrong length": (
             with_array(Array(dtype="bit", shape=(10,), stype="dlion.sign1", data=bytes(3))),
-            "3 bytes of signs, expected 2",
+            "Array 'signs' has 3 bytes, expected 2",
         ),
         "wrong shape": (
             with_array(Array(dtype="bit", shape=(9,), stype="dlion.sign1", data=arr.data)),

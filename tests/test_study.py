@@ -201,3 +201,35 @@ def test_a_variant_is_another_strategys_settings_with_overrides(tmp_path: Path) 
     assert len(slow) == 4 and all(c.name.startswith("lion-slow_") for c in slow)
     assert all(c.strategy == "global-lion" and c.run_config["strategy"] == "global-lion" for c in slow)
     assert all(c.run_config["lr"] == 0.001 and c.run_config["beta1"] == 0.95 for c in slow)  # base + override
+
+
+def test_bytes_to_target_table_uses_the_first_evaluation_at_the_target() -> None:
+    # Prepare: two methods on one partition, 2 clients; cumulative bytes at each evaluation
+    def record(label: str, seed: int, accs: list[float], mb: list[float]) -> dict:
+        evals = [
+            {"round": i, "accuracy": a, "cum_bytes_up": m * 1e6, "cum_bytes_down": m * 1e6}
+            for i, (a, m) in enumerate(zip(accs, mb, strict=True))
+        ]
+        return {
+            "label": label,
+            "partition": "iid",
+            "num_clients": 2,
+            "seed": seed,
+            "evals": evals,
+            "summary": {"final_accuracy": accs[-1]},
+        }
+
+    records = [
+        record("fedavg", 0, [0.1, 0.7, 0.8], [0, 4, 8]),  # 2 clients: 4 and 8 MB per client
+        record("fedavg", 1, [0.1, 0.8, 0.8], [0, 4, 8]),
+        record("ef", 0, [0.1, 0.5, 0.8, 0.9], [0, 0.2, 0.4, 0.6]),
+        record("ef", 1, [0.1, 0.6, 0.7, 0.7], [0, 0.2, 0.4, 0.6]),
+    ]
+    study = {"strategies": ["fedavg", "ef"], "partitions": ["iid"]}
+    # Execute
+    assert report.bytes_to_target(records[2], 0.8) == 0.4e6
+    assert report.bytes_to_target(records[3], 0.8) is None
+    text = report.target_table(records, study, "fedavg", fixed=(0.75,))
+    # Assert: target 0.8 (FedAvg's mean final); FedAvg needs (8 + 4)/2 = 6 MB, ef 0.4 MB (1 of 2 seeds) → 15×
+    assert "| fedavg | 6.00 [2/2] | 6.00 [2/2] |" in text
+    assert "| ef | 0.40 [1/2, 15.0×] | 0.40 [1/2, 15.0×] |" in text

@@ -101,11 +101,18 @@ def partition(context: Context, settings: dict[str, Any]) -> tuple[FashionMNIST,
 
 
 def batch(
-    context: Context, settings: dict[str, Any], *, server_round: int, seed: int, batch_size: int, device: torch.device
+    context: Context,
+    settings: dict[str, Any],
+    *,
+    server_round: int,
+    seed: int,
+    batch_size: int,
+    device: torch.device,
+    step: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The round's minibatch (images, labels) on ``device`` and the partition id."""
+    """The round's ``step``-th minibatch (images, labels) on ``device`` and the partition id."""
     ds, rows, pid = partition(context, settings)
-    rows = sample_batch(rows, batch_size, seed=seed, partition_id=pid, server_round=server_round)
+    rows = sample_batch(rows, batch_size, seed=seed, partition_id=pid, server_round=server_round, step=step)
     return to_tensor(ds.x_train[rows]).to(device), torch.from_numpy(ds.y_train[rows]).to(device), pid
 
 

@@ -1,27 +1,47 @@
-"""The Distributed Lion client: replica and momentum in ``context.state``, packed δ out.
+"""The Distributed Lion client: replica and momentum in ``context.state``, packed update out.
 
 One ``train`` message, in order:
 
-1. bring the replica x to the server's version: take the full model, or apply the
-   received Δs (``x ← x − lr·(Δ + wd·x)``, the same function the server uses);
-2. compute the gradient g of the loss at x on ``batch-size`` samples of the partition;
-3. δ = sign(β₁·m + (1−β₁)·g), then m ← β₂·m + (1−β₂)·g (``lion.local_step_``);
-4. pack δ to one bit per parameter on the device and reply with it, the loss, the
-   number of examples, the replica's version and its checksum;
-5. store x, m and the version back in ``context.state``.
+1. bring the replica x to the server's version: take the full model, build x₀ from the
+   seed the server names (``init = "seed"``), and/or apply the received Δs
+   (``x ← x − lr·(Δ + wd·x)``, the same function the server uses); adopt the averaged
+   momentum if the server sent one (``momentum-sync-every``);
+2. local work: K = ``local-steps`` Lion steps (``lion.local_steps_``) on a copy of x, each on
+   the average gradient of ``accumulate`` minibatches of ``batch-size`` samples; U = Σₖ δₖ
+   (with K = 1 this is plain D-Lion's δ = sign(β₁·m + (1−β₁)·g), then m ← β₂·m + (1−β₂)·g);
+3. encode U for the wire (``upload``): ``sign`` — sign(U), 1 bit per parameter (exact
+   zeros become a seeded coin flip); ``sum`` — the integer U, ⌈log₂(2K+1)⌉ bits;
+   ``ef-sign`` — a scaled sign of U + e with one float32 scale per tensor, the
+   quantization error e kept for the next round (error feedback);
+4. reply with it, the loss, the number of examples, the replica's version and its checksum
+   (and its momentum in a momentum-sync round);
+5. store x, m, e and the version back in ``context.state``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
-from .. import codec, lion
-from ..model import flat_gradient, layout, num_parameters
-from ..protocol import CONFIG, DELTA, LEVELS_STYPE, METRICS, SIGN_STYPE, UPDATE, bits_array, checksum
+from .. import codec, lion, quantizers
+from ..model import flat_gradient, flat_parameters, layer_mask, layout, seeded_net
+from ..protocol import (
+    CONFIG,
+    DELTA,
+    LEVELS_STYPE,
+    METRICS,
+    MOMENTUM,
+    SEED_MISMATCH,
+    SIGN_STYPE,
+    UPDATE,
+    bits_array,
+    checksum,
+    sync_prefixes,
+)
 from .common import ClientStateError, batch, resolve_device, seeded_generator, setup
 
 __all__ = ["ClientStateError", "ReplicaState", "apply_message", "load_state", "resolve_device", "save_state", "train"]
@@ -37,6 +57,7 @@ class ReplicaState:
     x: torch.Tensor  # replica of the global parameters, float32 (d,)
     m: torch.Tensor  # Lion momentum, float32 (d,)
     version: int  # number of Δs applied to x since the start
+    error: torch.Tensor | None = None  # error-feedback residual of the ef-sign upload, float32 (d,)
 
 
 def load_state(context: Context, d: int, device: torch.device) -> ReplicaState | None:
@@ -53,27 +74,50 @@ def load_state(context: Context, d: int, device: torch.device) -> ReplicaState |
     try:
         arrays = context.state[STATE_ARRAYS]
         meta = context.state[STATE_META]
-        x, m = arrays["x"].numpy(), arrays["m"].numpy()
+        stored = {name: arrays[name].numpy() for name in arrays}
+        if "x" not in stored or "m" not in stored:
+            raise KeyError(f"arrays {sorted(stored)} lack 'x' or 'm'")
         version = int(meta["version"])
     except Exception as err:
         raise ClientStateError(f"node {context.node_id}: stored state is incomplete ({err!r})") from err
-    if x.shape != (d,) or m.shape != (d,):
-        raise ClientStateError(f"node {context.node_id}: stored state has {x.shape}/{m.shape} values, model has d={d}")
-    return ReplicaState(torch.from_numpy(x.copy()).to(device), torch.from_numpy(m.copy()).to(device), version)
+    bad = {name: a.shape for name, a in stored.items() if a.shape != (d,)}
+    if bad:
+        raise ClientStateError(f"node {context.node_id}: stored state has shapes {bad}, model has d={d}")
+    tensors = {name: torch.from_numpy(a.copy()).to(device) for name, a in stored.items()}
+    return ReplicaState(tensors["x"], tensors["m"], version, tensors.get("e"))
 
 
 def save_state(context: Context, state: ReplicaState) -> None:
-    """Store x, m and the version in ``context.state`` (kept by Flower across rounds)."""
-    context.state[STATE_ARRAYS] = ArrayRecord(
-        {"x": Array(state.x.detach().cpu().numpy()), "m": Array(state.m.detach().cpu().numpy())}
-    )
+    """Store x, m (and e) and the version in ``context.state`` (kept by Flower across rounds)."""
+    arrays = {"x": state.x, "m": state.m} | ({"e": state.error} if state.error is not None else {})
+    context.state[STATE_ARRAYS] = ArrayRecord({k: Array(v.detach().cpu().numpy()) for k, v in arrays.items()})
     context.state[STATE_META] = ConfigRecord({"version": state.version})
 
 
+def _seeded_state(cfg: ConfigRecord, d: int, device: torch.device, node_id: int) -> ReplicaState:
+    """x₀ built from the server's seed, checked against the server's checksum of x₀."""
+    x0 = flat_parameters(seeded_net(int(cfg["init-seed"])))
+    if x0.numel() != d or checksum(x0) != int(cfg["init-checksum"]):
+        raise ClientStateError(
+            f"node {node_id}: {SEED_MISMATCH} {cfg['init-seed']} has checksum {checksum(x0)}, the server's is "
+            f"{cfg['init-checksum']} (a different torch version?); the server will send the full model"
+        )
+    return ReplicaState(x0.to(device), torch.zeros(d, device=device), 0)
+
+
 def apply_message(
-    content: RecordDict, state: ReplicaState | None, d: int, device: torch.device, node_id: int, model_layout: str
+    content: RecordDict,
+    state: ReplicaState | None,
+    d: int,
+    device: torch.device,
+    node_id: int,
+    model_layout: str,
+    sizes: Sequence[int] | None = None,
 ) -> ReplicaState:
-    """Bring the replica to the version the server sent (full model or Δ chain)."""
+    """Bring the replica to the version the server sent (full model, seed, Δ chain).
+
+    ``sizes`` (values per tensor, in flat order) is needed for Δs with per-tensor scales.
+    """
     cfg = content[CONFIG]
     kind, version = cfg["kind"], int(cfg["version"])
     if kind == "full":
@@ -85,8 +129,13 @@ def apply_message(
                 f"node {node_id}: full model has {payload.shape} {payload.dtype}, expected ({d},) float32"
             )
         x = torch.from_numpy(payload.copy()).to(device)
-        m = state.m if state is not None else torch.zeros(d, device=device)  # a resync keeps its momentum
-        return ReplicaState(x, m, version)
+        if state is None:
+            return ReplicaState(x, torch.zeros(d, device=device), version)
+        return ReplicaState(x, state.m, version, state.error)  # a resync keeps its momentum
+    if state is None and "init-seed" in cfg:
+        if cfg.get("layout", model_layout) != model_layout:
+            raise ClientStateError(f"node {node_id}: server model layout {cfg['layout']} != client's {model_layout}")
+        state = _seeded_state(cfg, d, device, node_id)
     if state is None:
         raise ClientStateError(
             f"node {node_id} has no replica (new node, or its state was lost) but received kind={kind!r}; "
@@ -100,11 +149,25 @@ def apply_message(
         if arr.stype != LEVELS_STYPE:
             raise ClientStateError(f"node {node_id}: update stype {arr.stype!r}, expected {LEVELS_STYPE!r}")
         buf = codec.as_uint8(arr.data).to(device)  # packed bytes go to the device
+        scales = list(cfg.get("scales", []))
+        num_tensors = len(scales) // len(cfg["num-levels"]) if scales else 0
+        if scales and sizes is None:
+            raise ClientStateError(f"node {node_id}: update has per-tensor scales but no tensor sizes were given")
+        if scales and num_tensors != len(sizes or ()):
+            raise ClientStateError(
+                f"node {node_id}: {len(scales)} scales for {len(cfg['num-levels'])} Δs "
+                f"of a model of {len(sizes or ())} tensors"
+            )
         offset = 0
-        for num_levels, lr, wd in zip(cfg["num-levels"], cfg["lr"], cfg["weight-decay"], strict=True):
+        for i, (num_levels, lr, wd) in enumerate(zip(cfg["num-levels"], cfg["lr"], cfg["weight-decay"], strict=True)):
             size = codec.encoded_size(d, num_levels)
             levels = codec.decode_levels(buf[offset : offset + size], num_levels, d)
-            lion.apply_update_(state.x, codec.levels_to_values(levels, num_levels), lr, wd)
+            if scales:
+                s = torch.tensor(scales[i * num_tensors : (i + 1) * num_tensors], dtype=torch.float32, device=device)
+                delta = quantizers.dequantize(levels, num_levels, s, sizes)  # Δ = scale · value
+            else:
+                delta = codec.levels_to_values(levels, num_levels)
+            lion.apply_update_(state.x, delta, lr, wd)
             offset += size
         if offset != buf.numel():
             raise ClientStateError(f"node {node_id}: update has {buf.numel()} bytes, its Δs use {offset}")
@@ -114,35 +177,99 @@ def apply_message(
     return state
 
 
+def _encode_upload(
+    u: torch.Tensor, state: ReplicaState, cfg: ConfigRecord, sizes: Sequence[int], gen: torch.Generator
+) -> dict[str, Array]:
+    """The reply's arrays for the sum of local directions ``u`` (see step 3 of the module doc)."""
+    d, upload, steps = u.numel(), str(cfg.get("upload", "sign")), int(cfg.get("local-steps", 1))
+    if upload == "sign":
+        return {"signs": bits_array(codec.pack_signs(u, generator=gen), d, SIGN_STYPE)}  # 1 bit
+    if upload == "sum":
+        levels = (u + steps).to(torch.int32)  # U ∈ [−K, K] → 0 … 2K
+        data = codec.encode_levels(levels, 2 * steps + 1)
+        return {"levels": bits_array(data, d, LEVELS_STYPE, dtype="level")}
+    if upload == "ef-sign":
+        if state.error is None:
+            state.error = torch.zeros_like(u)
+        levels, scales = quantizers.ef_quantize_(u, state.error, sizes, 2)  # scaled sign of U + e; e ← rest
+        return {
+            "signs": bits_array(codec.pack_bits(levels > 0), d, SIGN_STYPE),
+            "scales": Array(scales.cpu().numpy().astype(np.float32)),
+        }
+    raise ClientStateError(f"unknown upload {upload!r}")
+
+
 def train(msg: Message, context: Context) -> Message:
     """Handle one ``train`` message (see the module docstring for the steps)."""
     settings, device, model = setup(context)
     cfg = msg.content[CONFIG]
-    d = num_parameters(model)
+    names_shapes = [(name, tuple(p.shape)) for name, p in model.named_parameters() if p.requires_grad]
+    sizes = [int(np.prod(shape, dtype=np.int64)) for _, shape in names_shapes]
+    d = sum(sizes)
 
     state = apply_message(
-        msg.content, load_state(context, d, device), d, device, context.node_id, layout(model)
+        msg.content, load_state(context, d, device), d, device, context.node_id, layout(model), sizes
     )  # 1. replica up to date
+    sync = int(cfg.get("momentum-sync", 0))
+    if sync or MOMENTUM in msg.content:  # parameters whose momentum is synchronized
+        mask = layer_mask(names_shapes, sync_prefixes(str(cfg.get("momentum-sync-layers", "")))).to(device)
+    if MOMENTUM in msg.content:  # the server's average of the momenta of the last sync round
+        m_avg = msg.content[MOMENTUM]["m"].numpy()
+        if m_avg.shape != (int(mask.sum()),):
+            raise ClientStateError(
+                f"node {context.node_id}: momentum of shape {m_avg.shape}, expected ({int(mask.sum())},)"
+            )
+        state.m[mask] = torch.from_numpy(m_avg.copy()).to(device)
 
     server_round, seed = int(cfg["server-round"]), int(cfg.get("seed", settings["seed"]))
     batch_size = int(cfg.get("batch-size", settings["batch-size"]))
-    images, labels, pid = batch(
-        context, settings, server_round=server_round, seed=seed, batch_size=batch_size, device=device
+    steps, accumulate = int(cfg.get("local-steps", 1)), int(cfg.get("accumulate", 1))
+    losses, num_examples, pid = [], 0, 0
+
+    def gradient(x: torch.Tensor, k: int) -> torch.Tensor:
+        """Mean gradient at x over the ``accumulate`` minibatches of local step k."""
+        nonlocal num_examples, pid
+        total = None
+        for a in range(accumulate):
+            images, labels, pid = batch(
+                context,
+                settings,
+                server_round=server_round,
+                seed=seed,
+                batch_size=batch_size,
+                device=device,
+                step=k * accumulate + a,
+            )
+            loss, grad = flat_gradient(model, x, images, labels)
+            losses.append(float(loss))
+            num_examples += int(labels.numel())
+            total = grad if total is None else total.add_(grad)
+        assert total is not None
+        return total if accumulate == 1 else total.div_(accumulate)
+
+    x_local = state.x if steps == 1 else state.x.clone()  # K = 1 never moves x (see local_steps_)
+    u = lion.local_steps_(  # 2. U = Σₖ δₖ, m updated
+        x_local,
+        state.m,
+        gradient,
+        steps=steps,
+        lr=float(cfg.get("local-lr", 0.0)),
+        weight_decay=float(cfg.get("local-weight-decay", 0.0)),
+        beta1=float(cfg["beta1"]),
+        beta2=float(cfg["beta2"]),
     )
-
-    loss, grad = flat_gradient(model, state.x, images, labels)  # 2. gradient at x
-
-    delta = lion.local_step_(state.m, grad, float(cfg["beta1"]), float(cfg["beta2"]))  # 3. δ, then m
     gen = seeded_generator(device, seed, pid, server_round)  # coin flips for exact zeros
-    packed = codec.pack_signs(delta, generator=gen)  # 4. one bit per parameter, on the device
+    arrays = _encode_upload(u, state, cfg, sizes, gen)  # 3. on the device, only bytes leave it
+    if sync:
+        arrays["momentum"] = Array(state.m[mask].cpu().numpy())
 
     reply = RecordDict(
         {
-            DELTA: ArrayRecord({"signs": bits_array(packed, d, SIGN_STYPE)}),
+            DELTA: ArrayRecord(arrays),
             METRICS: MetricRecord(
                 {
-                    "num-examples": int(labels.numel()),
-                    "train-loss": float(loss),
+                    "num-examples": num_examples,
+                    "train-loss": sum(losses) / len(losses),
                     "version": state.version,
                     "checksum": checksum(state.x),
                 }

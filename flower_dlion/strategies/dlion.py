@@ -4,23 +4,27 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
 from typing import Any, Literal
 
+import numpy as np
+import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
-from .. import codec, lion
-from ..model import layout_fingerprint
+from .. import codec, lion, quantizers
+from ..model import layer_mask, layout_fingerprint
 from ..protocol import (
     CONFIG,
     DELTA,
     LEVELS_STYPE,
     METRICS,
+    MOMENTUM,
     REPLY_METRICS,
+    SEED_MISMATCH,
     SIGN_STYPE,
     UPDATE,
     RejectedReply,
@@ -43,6 +47,18 @@ class _Broadcast:
     lr: float
     weight_decay: float
     payload: bytes
+    scales: tuple[float, ...] | None = None  # one per tensor; None: scale 1
+
+
+@dataclass
+class _Reply:
+    """One validated client reply."""
+
+    node_id: int
+    data: bytes  # packed signs or encoded levels
+    scales: torch.Tensor | None  # ef-sign upload: one float32 per tensor
+    momentum: torch.Tensor | None  # momentum-sync round: the client's momentum of the synced layers
+    values: dict[str, float]
 
 
 @dataclass
@@ -53,6 +69,8 @@ class _Round:
     base_version: int
     base_checksum: int
     sent: dict[int, str] = field(default_factory=dict)  # node id → kind sent
+    seeded: set[int] = field(default_factory=set)  # nodes told to build x₀ from the seed
+    momentum_sync: bool = False  # clients upload their momentum this round
     bytes_down: int = 0
     bytes_down_fp32: int = 0
 
@@ -69,7 +87,18 @@ class DistributedLion(ServerModelStrategy):
 
     In-sync clients receive only the packed Δ of the rounds they missed (1 bit per
     parameter for a vote between an odd number of clients, 1.6 bits with possible ties,
-    ⌈log₂(n+1)⌉ bits for the mean); new or lost clients receive the full model.
+    ⌈log₂(n+1)⌉ bits for the mean); new or lost clients receive the full model (or, with
+    ``init_seed``, the seed of x₀ and the Δs since).
+
+    Beyond the paper (each off by default): K ``local_steps`` per round, where client i
+    uploads Uᵢ = Σₖ δₖ as its sign, as the integer (``upload="sum"``, FedLion) or as a
+    scaled sign with error feedback (``"ef-sign"``); the server then applies, in steps::
+
+        vote: Δ = K·sign(Σᵢ Uᵢ)      mean: Δ = Σᵢ Uᵢ / n      x ← x − lr·(Δ + K·wd·x)
+
+    and broadcasts Δ exactly as levels (``broadcast_bits=0``) or quantized to p bits with
+    server-side error feedback (``broadcast_bits=p``; p = 1: scaled sign). Momenta can be
+    averaged every ``momentum_sync_every`` rounds (Lion Cub).
 
     Parameters
     ----------
@@ -94,6 +123,24 @@ class DistributedLion(ServerModelStrategy):
     max_history_bytes : int | None (default: None)
         Bytes of past encoded Δs kept for clients that missed rounds; ``None`` keeps up
         to the size of the full model (a longer chain is never cheaper than the model).
+    local_steps : int (default: 1)
+        K, the Lion steps each client takes on its own copy of x per round.
+    accumulate : int (default: 1)
+        Minibatches averaged into each local gradient.
+    upload : {"sign", "sum", "ef-sign"} (default: "sign")
+        What a client sends for U = Σₖ δₖ: sign(U) (1 bit), U itself (⌈log₂(2K+1)⌉ bits),
+        or a scaled sign of U + e with one float32 scale per tensor and error feedback e.
+    broadcast_bits : int (default: 0)
+        0: broadcast Δ exactly as levels. p ≥ 1: quantize Δ + e to 2 (p = 1, scaled sign)
+        or 2ᵖ − 1 levels with one scale per tensor, keeping the error e on the server.
+    momentum_sync_every : int (default: 0)
+        Every R rounds, clients also upload their momentum (float32) and the next round
+        sends them the average; 0 never does.
+    momentum_sync_layers : sequence of str (default: ())
+        Parameter-name prefixes of the momenta to synchronize; empty means all.
+    init_seed : int | None (default: None)
+        When the initial model is ``model.seeded_net(init_seed)``, a new node is sent the
+        seed (and a checksum) instead of the full model.
 
     Examples
     --------
@@ -120,9 +167,27 @@ class DistributedLion(ServerModelStrategy):
         min_available_nodes: int = 2,
         min_replies: int = 1,
         max_history_bytes: int | None = None,
+        local_steps: int = 1,
+        accumulate: int = 1,
+        upload: Literal["sign", "sum", "ef-sign"] = "sign",
+        broadcast_bits: int = 0,
+        momentum_sync_every: int = 0,
+        momentum_sync_layers: Sequence[str] = (),
+        init_seed: int | None = None,
     ) -> None:
         if aggregation not in ("vote", "mean"):
             raise ValueError(f"aggregation must be 'vote' or 'mean', got {aggregation!r}")
+        if upload not in ("sign", "sum", "ef-sign"):
+            raise ValueError(f"upload must be 'sign', 'sum' or 'ef-sign', got {upload!r}")
+        for name, value in (("local_steps", local_steps), ("accumulate", accumulate)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if not 0 <= broadcast_bits <= 8:
+            raise ValueError(f"broadcast_bits must be in [0, 8] (0: exact), got {broadcast_bits}")
+        if momentum_sync_every < 0:
+            raise ValueError(f"momentum_sync_every must be >= 0 (0: never), got {momentum_sync_every}")
+        if upload == "ef-sign" and aggregation == "mean" and broadcast_bits == 0:
+            raise ValueError("upload='ef-sign' with aggregation='mean' needs broadcast_bits >= 1 (no exact form)")
         super().__init__(
             fraction_train=fraction_train,
             min_train_nodes=min_train_nodes,
@@ -134,8 +199,11 @@ class DistributedLion(ServerModelStrategy):
             weight_decay=weight_decay,
             betas={"beta1": beta1, "beta2": beta2},
         )
-        if lr * weight_decay >= 1.0:
-            raise ValueError(f"lr * weight_decay must be < 1 (got {lr * weight_decay}): x would flip sign every step")
+        if lr * weight_decay * local_steps >= 1.0:
+            raise ValueError(
+                f"lr * weight_decay * local_steps must be < 1 (got {lr * weight_decay * local_steps}): "
+                "x would flip sign every round"
+            )
         if max_history_bytes is not None and max_history_bytes < 0:
             raise ValueError(f"max_history_bytes must be >= 0 or None, got {max_history_bytes}")
         self.aggregation = aggregation
@@ -144,12 +212,24 @@ class DistributedLion(ServerModelStrategy):
         self.beta1 = beta1
         self.beta2 = beta2
         self.max_history_bytes = max_history_bytes
+        self.local_steps = local_steps
+        self.accumulate = accumulate
+        self.upload = upload
+        self.broadcast_bits = broadcast_bits
+        self.momentum_sync_every = momentum_sync_every
+        self.momentum_sync_layers = tuple(momentum_sync_layers)
+        self.init_seed = init_seed
 
         # Global model and its bookkeeping, set from the initial arrays in round 1.
         self.version = 0
         self._history: deque[_Broadcast] = deque()
         self._node_version: dict[int, int] = {}
         self._round: _Round | None = None
+        self._server_error: torch.Tensor | None = None  # error feedback of a quantized broadcast
+        self._momentum_avg: torch.Tensor | None = None  # to send in the next round
+        self._mask: torch.Tensor | None = None  # parameters whose momentum is synchronized
+        self._seed_failed: set[int] = set()  # nodes whose x₀ from the seed did not match
+        self._x0_checksum = 0
         self.history: list[dict[str, Any]] = []  # one dict of metrics per aggregated round
 
     # ------------------------------------------------------------------ summary
@@ -164,9 +244,38 @@ class DistributedLion(ServerModelStrategy):
             self.beta1,
             self.beta2,
         )
+        if self.local_steps > 1 or self.accumulate > 1 or self.upload != "sign":
+            log(
+                INFO,
+                "\t│\t└──local_steps=%d | accumulate=%d | upload=%s",
+                self.local_steps,
+                self.accumulate,
+                self.upload,
+            )
+        if self.broadcast_bits or self.momentum_sync_every or self.init_seed is not None:
+            log(
+                INFO,
+                "\t│\t└──broadcast_bits=%d | momentum_sync_every=%d (layers %s) | init_seed=%s",
+                self.broadcast_bits,
+                self.momentum_sync_every,
+                ",".join(self.momentum_sync_layers) or "all",
+                self.init_seed,
+            )
         self._log_sampling()
 
+    @property
+    def sizes(self) -> list[int]:
+        """Number of values of each tensor, in flat order."""
+        return [int(np.prod(shape, dtype=np.int64)) for _, shape in self._layout]
+
     # ------------------------------------------------------------------ train
+    def _init_model(self, arrays: ArrayRecord) -> None:
+        """Take x from the initial arrays; set up the momentum mask and the x₀ checksum."""
+        super()._init_model(arrays)
+        assert self.x is not None
+        self._mask = layer_mask(self._layout, self.momentum_sync_layers)
+        self._x0_checksum = checksum(self.x)
+
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
@@ -176,33 +285,59 @@ class DistributedLion(ServerModelStrategy):
         assert self.x is not None
         node_ids = self._sample(grid)
         rnd = _Round(server_round, self.version, checksum(self.x))
+        rnd.momentum_sync = bool(self.momentum_sync_every) and server_round % self.momentum_sync_every == 0
         self._round = rnd
         messages = []
         for node_id in node_ids:
-            content, kind, payload_len = self._content_for(node_id, server_round, config)
+            content, kind, payload_len = self._content_for(node_id, server_round, config, rnd)
+            if self._momentum_avg is not None:  # the average of the last sync round's momenta
+                content[MOMENTUM] = ArrayRecord({"m": Array(self._momentum_avg.numpy())})
             msg = Message(
                 content=content, dst_node_id=node_id, message_type=MessageType.TRAIN, group_id=str(server_round)
             )
             size = message_bytes(msg)
             rnd.sent[node_id] = kind
             rnd.bytes_down += size
-            rnd.bytes_down_fp32 += size - payload_len + (4 * self.num_parameters if kind != "none" else 0)
+            needs_model = kind != "none" or node_id in rnd.seeded
+            rnd.bytes_down_fp32 += size - payload_len + (4 * self.num_parameters if needs_model else 0)
             messages.append(msg)
+        self._momentum_avg = None
         return messages
 
-    def _content_for(self, node_id: int, server_round: int, config: ConfigRecord) -> tuple[RecordDict, str, int]:
+    def _round_config(self, server_round: int, config: ConfigRecord, rnd: _Round) -> ConfigRecord:
+        """The keys every client gets this round (non-default options only, to save bytes)."""
+        cfg = ConfigRecord(dict(config))
+        cfg.update({"server-round": server_round, "version": self.version, "beta1": self.beta1, "beta2": self.beta2})
+        if self.local_steps > 1:
+            cfg.update({"local-steps": self.local_steps, "local-lr": self.lr, "local-weight-decay": self.weight_decay})
+        if self.accumulate > 1:
+            cfg["accumulate"] = self.accumulate
+        if self.upload != "sign":
+            cfg["upload"] = self.upload
+        if rnd.momentum_sync:
+            cfg["momentum-sync"] = 1
+        if self.momentum_sync_every and self.momentum_sync_layers:
+            cfg["momentum-sync-layers"] = ",".join(self.momentum_sync_layers)
+        return cfg
+
+    def _content_for(
+        self, node_id: int, server_round: int, config: ConfigRecord, rnd: _Round
+    ) -> tuple[RecordDict, str, int]:
         """The message content for one node, its kind, and its payload length in bytes."""
         assert self.x is not None
-        cfg = ConfigRecord(dict(config))
-        cfg.update(
-            {
-                "server-round": server_round,
-                "version": self.version,
-                "beta1": self.beta1,
-                "beta2": self.beta2,
-            }
-        )
+        cfg = self._round_config(server_round, config, rnd)
         have = self._node_version.get(node_id)
+        if have is None and self.init_seed is not None and node_id not in self._seed_failed:
+            if self.version == 0 or self._chain_since(0) is not None:  # x₀ from the seed, then the Δs
+                have = 0
+                rnd.seeded.add(node_id)
+                cfg.update(
+                    {
+                        "init-seed": self.init_seed,
+                        "init-checksum": self._x0_checksum,
+                        "layout": layout_fingerprint(self._layout),
+                    }
+                )
         chain = self._chain_since(have) if have is not None else None
         if have == self.version:
             cfg.update({"kind": "none", "base-version": have})
@@ -218,6 +353,9 @@ class DistributedLion(ServerModelStrategy):
                     "weight-decay": [b.weight_decay for b in chain],
                 }
             )
+            if any(b.scales is not None for b in chain):
+                ones = (1.0,) * len(self._layout)
+                cfg["scales"] = [v for b in chain for v in (b.scales if b.scales is not None else ones)]
             array = Array(dtype="level", shape=(len(chain) * self.num_parameters,), stype=LEVELS_STYPE, data=payload)
             return RecordDict({CONFIG: cfg, UPDATE: ArrayRecord({"payload": array})}), "deltas", len(payload)
         cfg.update({"kind": "full", "base-version": -1, "layout": layout_fingerprint(self._layout)})
@@ -234,22 +372,58 @@ class DistributedLion(ServerModelStrategy):
             return None
         return chain
 
-    def _check_reply(self, msg: Message, rnd: _Round) -> tuple[int, bytes, dict[str, float]]:
-        """Validate one reply; return (node id, packed signs, metrics) or raise RejectedReply."""
+    def _expected_arrays(self, rnd: _Round) -> dict[str, tuple[str, str, int]]:
+        """Array name → (stype or "", dtype, bytes) that a valid reply holds this round."""
+        d = self.num_parameters
+        if self.upload == "sum":
+            num_levels = 2 * self.local_steps + 1
+            out = {"levels": (LEVELS_STYPE, "level", codec.encoded_size(d, num_levels))}
+        else:
+            out = {"signs": (SIGN_STYPE, "bit", codec.packed_size(d))}
+        if self.upload == "ef-sign":
+            out["scales"] = ("numpy.ndarray", "float32", 4 * len(self._layout))
+        if rnd.momentum_sync:
+            assert self._mask is not None
+            out["momentum"] = ("numpy.ndarray", "float32", 4 * int(self._mask.sum()))
+        return out
+
+    def _check_reply(self, msg: Message, rnd: _Round) -> _Reply:
+        """Validate one reply; return it parsed, or raise RejectedReply."""
         node_id = msg.metadata.src_node_id
         check_envelope(msg, rnd.sent.keys(), rnd.server_round, (DELTA, METRICS))
         content = msg.content
         record = content[DELTA]
-        if not isinstance(record, ArrayRecord) or len(record) != 1:
-            raise RejectedReply(f"'{DELTA}' must be an ArrayRecord holding one Array")
-        arr = next(iter(record.values()))
+        expected = self._expected_arrays(rnd)
+        if not isinstance(record, ArrayRecord) or set(record.keys()) != set(expected):
+            got = sorted(record.keys()) if isinstance(record, ArrayRecord) else type(record).__name__
+            raise RejectedReply(f"'{DELTA}' must be an ArrayRecord holding {sorted(expected)}, got {got}")
         d = self.num_parameters
-        if arr.stype != SIGN_STYPE or arr.dtype != "bit":
-            raise RejectedReply(f"Array has stype {arr.stype!r} dtype {arr.dtype!r}, expected {SIGN_STYPE!r} 'bit'")
-        if tuple(arr.shape) != (d,):
-            raise RejectedReply(f"Array shape {tuple(arr.shape)}, expected ({d},)")
-        if len(arr.data) != codec.packed_size(d):
-            raise RejectedReply(f"{len(arr.data)} bytes of signs, expected {codec.packed_size(d)} for d={d}")
+        for name, (stype, dtype, nbytes) in expected.items():
+            arr = record[name]
+            if arr.stype != stype or arr.dtype != dtype:
+                raise RejectedReply(
+                    f"Array {name!r} has stype {arr.stype!r} dtype {arr.dtype!r}, expected {stype!r} {dtype!r}"
+                )
+            shape = (nbytes // 4,) if dtype == "float32" else (d,)
+            if tuple(arr.shape) != shape:
+                raise RejectedReply(f"Array {name!r} shape {tuple(arr.shape)}, expected {shape}")
+            if len(arr.data) != nbytes and dtype != "float32":
+                raise RejectedReply(f"Array {name!r} has {len(arr.data)} bytes, expected {nbytes} for d={d}")
+        floats = {}
+        for name in ("scales", "momentum"):
+            if name in expected:
+                a = torch.from_numpy(record[name].numpy().copy())
+                if not bool(torch.isfinite(a).all()) or (name == "scales" and bool((a < 0).any())):
+                    raise RejectedReply(
+                        f"Array {name!r} has non-finite{' or negative' if name == 'scales' else ''} values"
+                    )
+                floats[name] = a
+        main = record["levels" if self.upload == "sum" else "signs"]
+        if self.upload == "sum":
+            try:  # a level above 2K means a corrupted payload
+                codec.decode_levels(main.data, 2 * self.local_steps + 1, d)
+            except ValueError as err:
+                raise RejectedReply(f"Array 'levels': {err}") from err
         values = read_metrics(content, METRICS, REPLY_METRICS)
         if values["version"] != rnd.base_version:
             raise RejectedReply(f"replica at version {values['version']}, expected {rnd.base_version}")
@@ -258,63 +432,114 @@ class DistributedLion(ServerModelStrategy):
                 f"replica checksum {values['checksum']} differs from the server's {rnd.base_checksum}: "
                 "the node will be sent the full model"
             )
-        return node_id, arr.data, values
+        return _Reply(node_id, main.data, floats.get("scales"), floats.get("momentum"), values)
+
+    def _vote_sum(self, replies: list[_Reply]) -> torch.Tensor:
+        """S = Σᵢ Uᵢ (int32 for sign and sum uploads, float32 for scaled signs)."""
+        d, n = self.num_parameters, len(replies)
+        if self.upload == "sign":
+            return 2 * codec.count_ones([r.data for r in replies], d) - n  # Σ of ±1
+        if self.upload == "sum":
+            k = self.local_steps
+            total = torch.zeros(d, dtype=torch.int32)
+            for r in replies:
+                total += codec.decode_levels(r.data, 2 * k + 1, d) - k  # Uᵢ ∈ [−K, K]
+            return total
+        total = torch.zeros(d, dtype=torch.float32)
+        for r in replies:
+            assert r.scales is not None
+            bits = codec.unpack_bits(r.data, d).to(torch.int32)
+            total += quantizers.dequantize(bits, 2, r.scales, self.sizes)  # ±sⱼ
+        return total
+
+    def _update(self, votes: torch.Tensor, n: int) -> tuple[lion.Levels, tuple[float, ...] | None]:
+        """Δ (in local steps) as levels and per-tensor scales, from S of n valid replies."""
+        k, num_tensors = self.local_steps, len(self._layout)
+        if self.broadcast_bits == 0:  # exact: Δ = K·sign(S) or S/n as levels
+            if votes.dtype.is_floating_point:  # weighted vote of scaled signs
+                levels = lion.Levels((torch.sign(votes) + 1).to(torch.int32), 3)
+            else:
+                levels = lion.aggregate(votes, n, self.aggregation, k=k if self.upload == "sum" else 1)
+            return levels, ((float(k),) * num_tensors if k > 1 else None)
+        if self.aggregation == "vote":
+            target = torch.sign(votes).float() * k
+        elif self.upload == "sign":
+            target = votes.float() * (k / n)
+        else:
+            target = votes.float() / n
+        if self._server_error is None:
+            self._server_error = torch.zeros_like(target)
+        num_levels = 2 if self.broadcast_bits == 1 else 2**self.broadcast_bits - 1
+        levels, scales = quantizers.ef_quantize_(target, self._server_error, self.sizes, num_levels)
+        return lion.Levels(levels, num_levels), tuple(float(v) for v in scales)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Validate the replies, vote or average their signs, apply Δ to x, and return x."""
+        """Validate the replies, vote or average their updates, apply Δ to x, and return x."""
         rnd = self._round
         if rnd is None or rnd.server_round != server_round or self.x is None:
             raise RuntimeError(f"aggregate_train({server_round}) without configure_train for that round")
         d = self.num_parameters
-        payloads, losses, examples, valid_nodes = [], [], [], set()
+        valid: list[_Reply] = []
         bytes_up = bytes_up_fp32 = rejected = 0
         for msg in replies:
             node_id = msg.metadata.src_node_id
             size = message_bytes(msg)
             bytes_up += size
             try:
-                node_id, data, values = self._check_reply(msg, rnd)
+                reply = self._check_reply(msg, rnd)
             except RejectedReply as err:
                 rejected += 1
                 bytes_up_fp32 += size
+                if node_id in rnd.seeded and msg.has_error() and SEED_MISMATCH in msg.error.reason:
+                    self._seed_failed.add(node_id)  # send this node the full model from now on
                 log(WARNING, "round %d: rejected reply from node %d: %s", server_round, node_id, err)
                 continue
-            bytes_up_fp32 += size - len(data) + 4 * d
-            payloads.append(data)
-            losses.append(values["train-loss"])
-            examples.append(values["num-examples"])
-            valid_nodes.add(node_id)
+            bytes_up_fp32 += size - len(reply.data) + 4 * d
+            valid.append(reply)
+        valid.sort(key=lambda r: r.node_id)  # a fixed order: float sums (ef-sign, momenta) are reproducible
+        valid_nodes = {r.node_id for r in valid}
         for node_id in rnd.sent:  # a node without a valid reply is in an unknown state: full model next time
             if node_id in valid_nodes:
                 self._node_version[node_id] = rnd.base_version
             else:
                 self._node_version.pop(node_id, None)
 
-        n = len(payloads)
+        n = len(valid)
         tie_fraction = agreement = 0.0
         applied = n >= self.min_replies
         if applied:
-            votes = 2 * codec.count_ones(payloads, d) - n  # S = Σδᵢ
-            update = lion.aggregate(votes, n, self.aggregation)
-            delta = codec.levels_to_values(update.levels, update.num_levels)
-            lion.apply_update_(self.x, delta, self.lr, self.weight_decay)
+            votes = self._vote_sum(valid)
+            update, scales = self._update(votes, n)
+            if scales is None:
+                delta = codec.levels_to_values(update.levels, update.num_levels)
+            else:
+                delta = quantizers.dequantize(update.levels, update.num_levels, torch.tensor(scales), self.sizes)
+            weight_decay = self.weight_decay * self.local_steps  # K local steps' worth of decay
+            lion.apply_update_(self.x, delta, self.lr, weight_decay)
             self.version += 1
             self._remember(
                 _Broadcast(
                     self.version,
                     update.num_levels,
                     self.lr,
-                    self.weight_decay,
+                    weight_decay,
                     codec.encode_levels(update.levels, update.num_levels).numpy().tobytes(),
+                    scales,
                 )
             )
             tie_fraction = float((votes == 0).float().mean())
-            agreement = float(votes.abs().float().mean()) / n
+            scale = self.local_steps if self.upload == "sum" else 1
+            agreement = float(votes.abs().float().mean()) / (n * scale) if self.upload != "ef-sign" else math.nan
+            if rnd.momentum_sync:
+                momenta = [r.momentum for r in valid if r.momentum is not None]
+                self._momentum_avg = torch.stack(momenta).mean(0)
         else:
             log(WARNING, "round %d: %d valid replies < min_replies=%d, x unchanged", server_round, n, self.min_replies)
 
+        losses = [r.values["train-loss"] for r in valid]
+        examples = [r.values["num-examples"] for r in valid]
         total = sum(examples)
         metrics = {
             "num-replies": n,

@@ -4,11 +4,18 @@ Usage::
 
     python -m flower_dlion.study.report examples/study.toml [--tuning examples/tune.toml]
         [--out docs/RESULTS.md] [--figures docs/figures]
+    python -m flower_dlion.study.report examples/beyond.toml --baselines examples/study.toml \
+        --reference fedavg-lr0.03 --section beyond
 
 Writes the generated part of ``--out`` between ``<!-- BEGIN GENERATED -->`` and
-``<!-- END GENERATED -->`` (text outside the markers is kept, so the written analysis
-survives a regeneration), and one PNG per partition into ``--figures``: accuracy vs round
-and accuracy vs cumulative bytes per client (log x), one column per number of clients.
+``<!-- END GENERATED -->`` (``<!-- BEGIN GENERATED name -->`` … with ``--section name``;
+text outside the markers is kept, so the written analysis survives a regeneration), and one
+PNG per partition into ``--figures``: accuracy vs round and accuracy vs cumulative bytes per
+client (log x), one column per number of clients.
+
+``--baselines`` adds the cells of another study that match this one's clients, partitions
+and seeds; ``--reference`` adds a table of the bytes each method needs to reach that
+method's mean final accuracy (and fixed targets).
 """
 
 from __future__ import annotations
@@ -24,7 +31,16 @@ from typing import Any
 
 from .sweep import load_study
 
-__all__ = ["load_cells", "main", "mean_std", "results_tables", "tuning_table", "write_report"]
+__all__ = [
+    "bytes_to_target",
+    "load_cells",
+    "main",
+    "mean_std",
+    "results_tables",
+    "target_table",
+    "tuning_table",
+    "write_report",
+]
 
 BEGIN, END = "<!-- BEGIN GENERATED -->", "<!-- END GENERATED -->"
 
@@ -125,6 +141,55 @@ def tuning_table(records: list[dict[str, Any]], swept: str = "lr") -> str:
     return "\n".join(lines) + "\n"
 
 
+def bytes_to_target(record: dict[str, Any], target: float) -> float | None:
+    """Bytes per client (up + down, measured) when the run first evaluated at ≥ ``target``."""
+    for e in record["evals"]:
+        if e["accuracy"] is not None and e["accuracy"] >= target:
+            return (e["cum_bytes_up"] + e["cum_bytes_down"]) / record["num_clients"]
+    return None
+
+
+def target_table(
+    records: list[dict[str, Any]], study: dict[str, Any], reference: str, fixed: Sequence[float] = (0.75, 0.8)
+) -> str:
+    """Per partition: MB per client to reach the reference's mean final accuracy and fixed targets.
+
+    A method's entry is the mean over the seeds that reached the target, with how many did,
+    and the reference's bytes divided by it (× fewer bytes than the reference).
+    """
+    strategies = _order((r["label"] for r in records), study["strategies"])
+    lines = []
+    for part in _order((r["partition"] for r in records), study["partitions"]):
+        ref = [r for r in records if r["label"] == reference and r["partition"] == part]
+        if not ref:
+            continue
+        ref_acc = statistics.mean(r["summary"]["final_accuracy"] for r in ref)
+        targets = [ref_acc, *[t for t in fixed if abs(t - ref_acc) > 0.005]]
+        ref_final = mean_std([r["summary"]["final_accuracy"] for r in ref])
+        lines.append(f"**{part}** ({reference} final accuracy {ref_final})\n")
+        heads = [f"to {t:.3f}" + (f" ({reference})" if i == 0 else "") for i, t in enumerate(targets)]
+        lines.append("| method | " + " | ".join(f"MB / client {h}" for h in heads) + " |")
+        lines.append("|---|" + "---|" * len(targets))
+        ref_mb = {}
+        for t in targets:
+            hits = [b for b in (bytes_to_target(r, t) for r in ref) if b is not None]
+            ref_mb[t] = statistics.mean(hits) / 1e6 if hits else None
+        for s in strategies:
+            group = [r for r in records if r["label"] == s and r["partition"] == part]
+            row = []
+            for t in targets:
+                hits = [b for b in (bytes_to_target(r, t) for r in group) if b is not None]
+                if not hits:
+                    row.append(f"– [0/{len(group)}]")
+                    continue
+                mb = statistics.mean(hits) / 1e6
+                ratio = f", {ref_mb[t] / mb:.1f}×" if ref_mb[t] and s != reference else ""
+                row.append(f"{mb:.2f} [{len(hits)}/{len(group)}{ratio}]")
+            lines.append(f"| {s} | " + " | ".join(row) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def plot_partition(records: list[dict[str, Any]], study: dict[str, Any], partition: str, path: Path) -> None:
     """Accuracy vs round (top) and vs cumulative bytes per client (bottom, log x), one column per n."""
     import matplotlib
@@ -134,8 +199,9 @@ def plot_partition(records: list[dict[str, Any]], study: dict[str, Any], partiti
 
     clients = _order((r["num_clients"] for r in records), study["num-clients"])
     strategies = _order((r["label"] for r in records), study["strategies"])
-    fig, axes = plt.subplots(2, len(clients), figsize=(4 * len(clients), 7), squeeze=False)
-    colors = {s: f"C{i}" for i, s in enumerate(study["strategies"])}
+    fig, axes = plt.subplots(2, len(clients), figsize=(max(4 * len(clients), 8), 7), squeeze=False)
+    palette = plt.get_cmap("tab20").colors if len(study["strategies"]) > 10 else [f"C{i}" for i in range(10)]
+    colors = {s: palette[i % len(palette)] for i, s in enumerate(study["strategies"])}
     for j, n in enumerate(clients):
         for s in strategies:
             group = [r for r in records if r["partition"] == partition and r["num_clients"] == n and r["label"] == s]
@@ -159,40 +225,73 @@ def plot_partition(records: list[dict[str, Any]], study: dict[str, Any], partiti
     plt.close(fig)
 
 
-def write_report(study_file: Path, out: Path, figures: Path, tuning_file: Path | None = None, command: str = "") -> str:
+def write_report(
+    study_file: Path,
+    out: Path,
+    figures: Path,
+    tuning_file: Path | None = None,
+    command: str = "",
+    *,
+    baselines: Path | None = None,
+    baseline_labels: Sequence[str] = (),
+    reference: str | None = None,
+    section: str = "",
+) -> str:
     """Generate tables and plots for a study; write them into ``out``; return the generated text."""
     import tomllib
 
     study = tomllib.loads(study_file.read_text())
     records = load_cells(study_file)
     _, cells = load_study(study_file)
-    rounds = {
-        s: sorted({c.run_config.get("num-server-rounds", 200) for c in cells if c.label == s})
-        for s in study["study"]["strategies"]
-    }
+    own = list(study["study"]["strategies"])
+    rounds = {s: sorted({c.run_config.get("num-server-rounds", 200) for c in cells if c.label == s}) for s in own}
+    extra: list[dict[str, Any]] = []
+    if baselines is not None:  # the other study's cells at this study's clients, partitions and seeds
+        grid = study["study"]
+        wanted = baseline_labels or tomllib.loads(baselines.read_text())["study"]["strategies"]
+        extra = [
+            r
+            for r in load_cells(baselines)
+            if r["label"] in wanted
+            and r["num_clients"] in grid["num-clients"]
+            and r["partition"] in grid["partitions"]
+            and r["seed"] in grid["seeds"]
+        ]
+        grid["strategies"] = _order({r["label"] for r in extra}, wanted) + own
+    begin, end = (BEGIN, END)
+    if section:
+        begin, end = f"<!-- BEGIN GENERATED {section} -->", f"<!-- END GENERATED {section} -->"
     parts = [
-        BEGIN,
+        begin,
         f"Generated by `{command or 'python -m flower_dlion.study.report ' + str(study_file)}` from "
         f"{len(records)} of {len(cells)} cells of `{study_file}` (budget: "
         + ", ".join(f"{s} {'/'.join(map(str, r))} rounds" for s, r in rounds.items())
         + f"; seeds {study['study']['seeds']}"
         + "".join(f", n = {n}: seeds {v}" for n, v in study["study"].get("seeds-by-clients", {}).items())
-        + "; Fashion-MNIST test set).\n",
-        results_tables(records, study["study"]),
+        + "; Fashion-MNIST test set"
+        + (f"; with the {len(extra)} matching cells of `{baselines}`" if baselines is not None else "")
+        + ").\n",
+        results_tables(extra + records, study["study"]),
     ]
+    if reference is not None:
+        parts.append(
+            "### Bytes per client to reach a target accuracy (mean over the seeds that reached it "
+            f"[reached/run, × fewer bytes than {reference}])\n"
+        )
+        parts.append(target_table(extra + records, study["study"], reference))
     for part in _order((r["partition"] for r in records), study["study"]["partitions"]):
         path = figures / f"{study_file.stem}-{part}.png"
-        plot_partition(records, study["study"], part, path)
+        plot_partition(extra + records, study["study"], part, path)
         rel = Path("figures") / path.name if figures.parent == out.parent else path
         parts.append(f"![{part}]({rel.as_posix()})\n")
     if tuning_file is not None:
         parts.append(f"### Tuning (`{tuning_file}`)\n")
         parts.append(tuning_table(load_cells(tuning_file)))
-    parts.append(END)
+    parts.append(end)
     generated = "\n".join(parts)
-    text = out.read_text() if out.is_file() else "# Results\n\n" + BEGIN + "\n" + END + "\n"
-    if BEGIN in text and END in text:
-        text = text[: text.index(BEGIN)] + generated + text[text.index(END) + len(END) :]
+    text = out.read_text() if out.is_file() else "# Results\n\n" + begin + "\n" + end + "\n"
+    if begin in text and end in text:
+        text = text[: text.index(begin)] + generated + text[text.index(end) + len(end) :]
     else:
         text = text.rstrip() + "\n\n" + generated + "\n"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -207,9 +306,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tuning", type=Path, help="tuning study file, reported as one table")
     parser.add_argument("--out", type=Path, default=Path("docs/RESULTS.md"))
     parser.add_argument("--figures", type=Path, default=Path("docs/figures"))
+    parser.add_argument("--baselines", type=Path, help="another study whose matching cells are shown too")
+    parser.add_argument(
+        "--baseline-labels", default="", help="comma-separated labels of --baselines to show (default: all)"
+    )
+    parser.add_argument("--reference", help="label whose final accuracy is the bytes-to-target table's target")
+    parser.add_argument("--section", default="", help="name of the generated section (its own markers)")
     args = parser.parse_args(argv)
     command = "python -m flower_dlion.study.report " + " ".join(argv if argv is not None else sys.argv[1:])
-    write_report(args.study, args.out, args.figures, args.tuning, command)
+    write_report(
+        args.study,
+        args.out,
+        args.figures,
+        args.tuning,
+        command,
+        baselines=args.baselines,
+        baseline_labels=[label for label in args.baseline_labels.split(",") if label],
+        reference=args.reference,
+        section=args.section,
+    )
     print(f"[report] wrote {args.out} and figures in {args.figures}")
     return 0
 
