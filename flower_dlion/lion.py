@@ -88,12 +88,13 @@ def local_steps_(
     of the K directions ``U = Σₖ δₖ`` (float32 values in ``[−K, K]``). The last step's
     update is not applied to ``x``: the server's broadcast replaces the local copy.
     """
-    total = torch.zeros_like(x)
+    total = None
     for k in range(steps):
         delta = local_step_(m, gradient(x, k), beta1, beta2)  # δₖ from mₖ, then mₖ₊₁
-        total.add_(delta)  # U += δₖ
         if k + 1 < steps:
             apply_update_(x, delta, lr, weight_decay)  # move the local copy
+        total = delta if total is None else total.add_(delta)  # U += δₖ (δ₀'s buffer holds U)
+    assert total is not None, "steps must be >= 1"
     return total
 
 

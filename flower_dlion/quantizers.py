@@ -133,10 +133,17 @@ def quantize(v: torch.Tensor, sizes: Sequence[int], num_levels: int) -> tuple[to
     return (torch.round(unit * half) + half).to(torch.int32), scales
 
 
-def dequantize(levels: torch.Tensor, num_levels: int, scales: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
-    """``sⱼ · (2·levels − (L−1)) / (L−1)`` as float32 (bit-identical on CPU and GPU)."""
-    per_value = _per_value(scales.to(torch.float32).to(levels.device), sizes, levels.numel())
-    return levels_to_values(levels, num_levels) * per_value
+def dequantize(
+    levels: torch.Tensor, num_levels: int, scales: torch.Tensor | None, sizes: Sequence[int]
+) -> torch.Tensor:
+    """``sⱼ · (2·levels − (L−1)) / (L−1)`` as float32 (bit-identical on CPU and GPU).
+
+    ``scales=None`` means scale 1: plain :func:`codec.levels_to_values`, no multiplication.
+    """
+    values = levels_to_values(levels, num_levels)
+    if scales is None:
+        return values
+    return values * _per_value(scales.to(torch.float32).to(levels.device), sizes, levels.numel())
 
 
 def ef_quantize_(

@@ -162,11 +162,10 @@ def apply_message(
         for i, (num_levels, lr, wd) in enumerate(zip(cfg["num-levels"], cfg["lr"], cfg["weight-decay"], strict=True)):
             size = codec.encoded_size(d, num_levels)
             levels = codec.decode_levels(buf[offset : offset + size], num_levels, d)
+            s = None
             if scales:
                 s = torch.tensor(scales[i * num_tensors : (i + 1) * num_tensors], dtype=torch.float32, device=device)
-                delta = quantizers.dequantize(levels, num_levels, s, sizes)  # Δ = scale · value
-            else:
-                delta = codec.levels_to_values(levels, num_levels)
+            delta = quantizers.dequantize(levels, num_levels, s, sizes or [d])  # Δ = scale · value
             lion.apply_update_(state.x, delta, lr, wd)
             offset += size
         if offset != buf.numel():

@@ -56,6 +56,7 @@ class _Reply:
 
     node_id: int
     data: bytes  # packed signs or encoded levels
+    levels: torch.Tensor | None  # sum upload: the decoded levels Uᵢ + K (decoded once, when validated)
     scales: torch.Tensor | None  # ef-sign upload: one float32 per tensor
     momentum: torch.Tensor | None  # momentum-sync round: the client's momentum of the synced layers
     values: dict[str, float]
@@ -407,7 +408,7 @@ class DistributedLion(ServerModelStrategy):
             shape = (nbytes // 4,) if dtype == "float32" else (d,)
             if tuple(arr.shape) != shape:
                 raise RejectedReply(f"Array {name!r} shape {tuple(arr.shape)}, expected {shape}")
-            if len(arr.data) != nbytes and dtype != "float32":
+            if dtype != "float32" and len(arr.data) != nbytes:  # float Arrays carry a numpy header
                 raise RejectedReply(f"Array {name!r} has {len(arr.data)} bytes, expected {nbytes} for d={d}")
         floats = {}
         for name in ("scales", "momentum"):
@@ -419,9 +420,10 @@ class DistributedLion(ServerModelStrategy):
                     )
                 floats[name] = a
         main = record["levels" if self.upload == "sum" else "signs"]
+        levels = None
         if self.upload == "sum":
             try:  # a level above 2K means a corrupted payload
-                codec.decode_levels(main.data, 2 * self.local_steps + 1, d)
+                levels = codec.decode_levels(main.data, 2 * self.local_steps + 1, d)
             except ValueError as err:
                 raise RejectedReply(f"Array 'levels': {err}") from err
         values = read_metrics(content, METRICS, REPLY_METRICS)
@@ -432,7 +434,7 @@ class DistributedLion(ServerModelStrategy):
                 f"replica checksum {values['checksum']} differs from the server's {rnd.base_checksum}: "
                 "the node will be sent the full model"
             )
-        return _Reply(node_id, main.data, floats.get("scales"), floats.get("momentum"), values)
+        return _Reply(node_id, main.data, levels, floats.get("scales"), floats.get("momentum"), values)
 
     def _vote_sum(self, replies: list[_Reply]) -> torch.Tensor:
         """S = Σᵢ Uᵢ (int32 for sign and sum uploads, float32 for scaled signs)."""
@@ -443,7 +445,8 @@ class DistributedLion(ServerModelStrategy):
             k = self.local_steps
             total = torch.zeros(d, dtype=torch.int32)
             for r in replies:
-                total += codec.decode_levels(r.data, 2 * k + 1, d) - k  # Uᵢ ∈ [−K, K]
+                assert r.levels is not None
+                total += r.levels - k  # Uᵢ ∈ [−K, K]
             return total
         total = torch.zeros(d, dtype=torch.float32)
         for r in replies:
@@ -512,10 +515,9 @@ class DistributedLion(ServerModelStrategy):
         if applied:
             votes = self._vote_sum(valid)
             update, scales = self._update(votes, n)
-            if scales is None:
-                delta = codec.levels_to_values(update.levels, update.num_levels)
-            else:
-                delta = quantizers.dequantize(update.levels, update.num_levels, torch.tensor(scales), self.sizes)
+            delta = quantizers.dequantize(
+                update.levels, update.num_levels, None if scales is None else torch.tensor(scales), self.sizes
+            )
             weight_decay = self.weight_decay * self.local_steps  # K local steps' worth of decay
             lion.apply_update_(self.x, delta, self.lr, weight_decay)
             self.version += 1
