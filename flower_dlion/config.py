@@ -6,6 +6,7 @@ that gets an empty run config (``run_simulation``, unit tests) behaves like ``fl
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -39,6 +40,14 @@ DEFAULTS: dict[str, Any] = {
     "results-dir": "",
     "data-dir": "",
     "device": "auto",
+    "round-timeout": 3600.0,
+    "fail-fraction": 0.0,
+    "byzantine-fraction": 0.0,
+    "byzantine-mode": "flip",
+    "byzantine-scale": 1.0,
+    "checkpoint-every": 0,
+    "resume": "",
+    "client-state-dir": "",
 }
 
 STRATEGIES = ("dlion-vote", "dlion-mean", "signsgd-vote", "global-lion", "global-adamw", "terngrad", "fedavg")
@@ -49,11 +58,13 @@ _CHOICES = {
     "device": ("auto", "cpu", "cuda"),
     "upload": ("sign", "sum", "ef-sign"),
     "init": ("full", "seed"),
+    "byzantine-mode": ("flip", "random"),
 }
 
 DLION_STRATEGIES = ("dlion-vote", "dlion-mean", "signsgd-vote")
 # Keys that only the Distributed Lion family reads; their defaults turn them off.
 DLION_ONLY = (
+    "client-state-dir",
     "local-steps",
     "accumulate",
     "upload",
@@ -116,6 +127,20 @@ def read_config(run_config: Mapping[str, Any] | None) -> dict[str, Any]:
         )
     if cfg["momentum-sync-every"] < 0:
         raise ValueError(f"run-config 'momentum-sync-every' must be >= 0 (0: never), got {cfg['momentum-sync-every']}")
+    for key in ("fail-fraction", "byzantine-fraction"):
+        if not 0.0 <= cfg[key] < 1.0:
+            raise ValueError(f"run-config '{key}' must be in [0, 1), got {cfg[key]}")
+    for key in ("round-timeout", "byzantine-scale"):
+        if not (math.isfinite(cfg[key]) and cfg[key] > 0):
+            raise ValueError(f"run-config '{key}' must be finite and > 0, got {cfg[key]}")
+    if cfg["checkpoint-every"] < 0:
+        raise ValueError(f"run-config 'checkpoint-every' must be >= 0 (0: never), got {cfg['checkpoint-every']}")
+    if cfg["byzantine-fraction"] and cfg["strategy"] not in (*DLION_STRATEGIES, "fedavg"):
+        raise ValueError(
+            f"run-config 'byzantine-fraction' applies to {(*DLION_STRATEGIES, 'fedavg')}, not to {cfg['strategy']!r}"
+        )
+    if cfg["strategy"] == "fedavg" and (cfg["checkpoint-every"] or cfg["resume"]):
+        raise ValueError("run-config 'checkpoint-every' / 'resume' need one of our strategies, not Flower's 'fedavg'")
     if cfg["strategy"] not in DLION_STRATEGIES:
         changed = sorted(k for k in DLION_ONLY if cfg[k] != DEFAULTS[k])
         if changed:

@@ -54,6 +54,8 @@ class LocalGrid(Grid):
     reply_hook : callable | None (default: None)
         ``(node_id, reply) -> reply | None``, applied to each reply before it is
         serialized back; return None to drop the reply (a node that never answers).
+    first_node_id : int (default: 1000)
+        Node ``i`` gets node id ``first_node_id + i`` (Flower's ids are random per run).
 
     """
 
@@ -65,10 +67,11 @@ class LocalGrid(Grid):
         run_config: dict[str, Any] | None = None,
         run_id: int = 1,
         reply_hook: ReplyHook | None = None,
+        first_node_id: int = 1000,
     ) -> None:
         self.client_app = client_app
         self.reply_hook = reply_hook
-        self.node_ids = [1000 + i for i in range(num_nodes)]
+        self.node_ids = [first_node_id + i for i in range(num_nodes)]
         self._run = Run.create_empty(run_id)
         TaskIdentity.run_id = run_id
         TaskIdentity.node_id = 1  # the SuperLink's node id, as seen by a ServerApp
@@ -114,10 +117,9 @@ class LocalGrid(Grid):
         """Queue messages (serialized, with fresh ids)."""
         ids = []
         for message in messages:
-            if message.metadata.dst_node_id not in self._contexts:
-                raise ValueError(f"no node with id {message.metadata.dst_node_id}")
             message_id = uuid.uuid4().hex
-            self._pending[message_id] = _roundtrip(message, message_id)
+            if message.metadata.dst_node_id in self._contexts:  # a message to a node that left gets no reply
+                self._pending[message_id] = _roundtrip(message, message_id)
             ids.append(message_id)
         return ids
 
@@ -144,11 +146,28 @@ class LocalGrid(Grid):
         proto.ParseFromString(self._contexts[node_id])
         return context_from_proto(proto)
 
+    def set_context(self, node_id: int, context: Context) -> None:
+        """Replace a node's context (a test's way to tamper with a node's state)."""
+        self._contexts[node_id] = context_to_proto(context).SerializeToString()
+
     def reset_node(self, node_id: int) -> None:
         """Forget a node's state, as when a SuperNode restarts."""
         ctx = self.context(node_id)
         ctx.state = RecordDict()
         self._contexts[node_id] = context_to_proto(ctx).SerializeToString()
+
+    def restart_node(self, node_id: int, new_node_id: int) -> None:
+        """A SuperNode restart: the node comes back under a new id with an empty state."""
+        ctx = self.context(node_id)
+        ctx.node_id, ctx.state = new_node_id, RecordDict()
+        del self._contexts[node_id]
+        self._contexts[new_node_id] = context_to_proto(ctx).SerializeToString()
+        self.node_ids[self.node_ids.index(node_id)] = new_node_id
+
+    def disconnect(self, node_id: int) -> None:
+        """The node leaves (it is no longer listed by ``get_node_ids``; messages to it fail)."""
+        self.node_ids.remove(node_id)
+        del self._contexts[node_id]
 
     def _execute(self, message: Message) -> Message | None:
         node_id = message.metadata.dst_node_id

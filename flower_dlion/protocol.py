@@ -17,6 +17,12 @@ A new node of a run with ``init = "seed"`` gets "init-seed" and "init-checksum" 
 the full model, builds x₀ itself (``model.seeded_net``), and applies the Δs since version 0.
 A Δ's value is ``scale · (2k − (L−1)) / (L−1)`` for level k of L (scale 1 when absent).
 
+A ``query`` message (every strategy of ours, once per new node id) asks a node who it is::
+
+    server → client  "hello"  ConfigRecord  [state-key, state-round] (with ``client-state-dir``)
+    client → server  "hello"  MetricRecord  partition-id, num-partitions, version (of the replica
+                                            the node would start from, -1 for none)
+
 Client → server::
 
     "dlion.delta"    ArrayRecord   upload "sign" / "ef-sign": Array "signs", dtype "bit",
@@ -26,6 +32,11 @@ Client → server::
                                    "ef-sign": also Array "scales", float32, one per tensor;
                                    a momentum-sync round: also Array "momentum", float32
     "dlion.metrics"  MetricRecord  num-examples, train-loss, version, checksum
+
+With ``client-state-dir``, train and query messages also carry ``state-key`` (the run's
+identity, kept across a resume), ``state-round`` (start from your state as of the end of
+this round: the previous round, or the checkpoint's round after a resume) and, in train
+messages, ``keep-round`` (the server's latest checkpoint: keep the state of that round on disk).
 
 Versions count the Δs applied to x since the start. ``checksum`` is the CRC-32 of the
 client's replica (float32 bytes) at ``version``, the point where it computed δ.
@@ -45,6 +56,7 @@ FedAvg uses Flower's own ``FedAvg`` messages ("arrays", "config"; reply "arrays"
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 import zlib
@@ -56,12 +68,14 @@ from flwr.app import Array, Message, MetricRecord, RecordDict
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
 __all__ = [
+    "CLIENT_STATE_ERROR",
     "CONFIG",
     "DELTA",
     "GRAD_CONFIG",
     "GRAD_METRICS",
     "GRAD_MODEL",
     "GRAD_UPDATE",
+    "HELLO",
     "LEVELS_STYPE",
     "METRICS",
     "MOMENTUM",
@@ -73,7 +87,9 @@ __all__ = [
     "bits_array",
     "check_envelope",
     "checksum",
+    "float_array",
     "message_bytes",
+    "npy_bytes",
     "read_metrics",
     "sync_prefixes",
 ]
@@ -83,6 +99,8 @@ UPDATE = "dlion.update"
 DELTA = "dlion.delta"
 METRICS = "dlion.metrics"
 MOMENTUM = "dlion.momentum"
+HELLO = "hello"
+CLIENT_STATE_ERROR = "ClientStateError"  # in a client's error reason when its replica cannot serve a message
 SEED_MISMATCH = "x0 built from seed"  # in a client's error when its x₀ differs from the server's
 SIGN_STYPE = "dlion.sign1"
 LEVELS_STYPE = "dlion.levels"
@@ -96,13 +114,21 @@ TERNGRAD_STYPE = "terngrad.v1"
 
 
 class RejectedReply(ValueError):
-    """A client reply that cannot be used; the message says why."""
+    """A client reply that cannot be used; the message says why.
+
+    ``resync=True``: the reply shows that the node's replica differs from the server's
+    (version or checksum), so the node is sent the full model next time.
+    """
+
+    def __init__(self, message: str, *, resync: bool = False) -> None:
+        super().__init__(message)
+        self.resync = resync
 
 
 def check_envelope(msg: Message, sent: Container[int], server_round: int, records: Sequence[str]) -> None:
     """Reject error replies, replies from nodes not asked, for another round, or with other records."""
     if msg.has_error():
-        raise RejectedReply(f"client error (code {msg.error.code}): {msg.error.reason}")
+        raise RejectedReply(f"client error (code {msg.error.code}): {msg.error.reason[:2000]}")
     if msg.metadata.src_node_id not in sent:
         raise RejectedReply("no train message was sent to this node this round")
     if msg.metadata.group_id != str(server_round):
@@ -111,21 +137,55 @@ def check_envelope(msg: Message, sent: Container[int], server_round: int, record
         raise RejectedReply(f"records {sorted(msg.content.keys())}, expected {sorted(records)}")
 
 
-def read_metrics(content: RecordDict, name: str, keys: Sequence[str]) -> dict[str, float]:
-    """The finite numbers ``keys`` of the MetricRecord ``name``; ``num-examples`` must be >= 1."""
+def read_metrics(content: RecordDict, name: str, keys: Sequence[str], *, extra_ok: bool = False) -> dict[str, float]:
+    """The finite numbers ``keys`` of the MetricRecord ``name``; ``num-examples`` must be >= 1.
+
+    Other keys are rejected unless ``extra_ok``.
+    """
     metrics = content[name]
     if not isinstance(metrics, MetricRecord):
         raise RejectedReply(f"'{name}' must be a MetricRecord")
     missing = [k for k in keys if k not in metrics]
     if missing:
         raise RejectedReply(f"metrics missing {missing}")
+    extra = sorted(set(metrics) - set(keys))
+    if extra and not extra_ok:
+        raise RejectedReply(f"unexpected metrics {extra[:5]}{' …' if len(extra) > 5 else ''}")
     values = {k: metrics[k] for k in keys}
     for k, v in values.items():
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise RejectedReply(f"metric {k!r} is {v!r}, expected a finite number")
-    if values.get("num-examples", 1) < 1:
-        raise RejectedReply(f"num-examples is {values['num-examples']}, expected >= 1")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or abs(v) >= 2**53:
+            raise RejectedReply(f"metric {k!r} is {_short(v)}, expected a finite number below 2**53")
+    if "num-examples" in values and (not isinstance(values["num-examples"], int) or values["num-examples"] < 1):
+        raise RejectedReply(f"num-examples is {values['num-examples']!r}, expected an integer >= 1")
     return values
+
+
+def _short(value: object) -> str:
+    """A value for a log line, cut to 60 characters."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+@functools.lru_cache(maxsize=64)
+def npy_bytes(shape: tuple[int, ...]) -> int:
+    """Bytes of a float32 Flower ``Array`` of ``shape`` (numpy's .npy header plus the values)."""
+    return len(Array(np.zeros(shape, dtype=np.float32)).data)
+
+
+def float_array(arr: Array, shape: tuple[int, ...], name: str) -> np.ndarray:
+    """Decode a float32 Array of exactly ``shape`` and exact size, or raise RejectedReply."""
+    if arr.stype != "numpy.ndarray" or arr.dtype != "float32" or tuple(arr.shape) != shape:
+        got = f"{_short(arr.stype)} {_short(arr.dtype)} {tuple(arr.shape)}"
+        raise RejectedReply(f"Array {name!r} is {got}, expected float32 {shape}")
+    if len(arr.data) != npy_bytes(shape):
+        raise RejectedReply(f"Array {name!r} has {len(arr.data)} bytes, expected {npy_bytes(shape)}")
+    try:
+        a = arr.numpy()
+    except Exception as err:
+        raise RejectedReply(f"Array {name!r} does not decode: {_short(err)}") from err
+    if a.shape != shape or a.dtype != np.float32:
+        raise RejectedReply(f"Array {name!r} decodes to {a.dtype} {a.shape}, expected float32 {shape}")
+    return a
 
 
 def bits_array(packed: torch.Tensor, count: int, stype: str, dtype: str = "bit") -> Array:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
+import uuid
 from datetime import UTC, datetime
 from logging import INFO
 from pathlib import Path
@@ -16,9 +18,10 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg, Result, Strategy
 from flwr.supercore import log
 
+from .checkpoint import check_resumable, load_checkpoint, save_checkpoint
 from .config import read_config
 from .data import load_fashion_mnist, to_tensor
-from .metering import MeteredGrid
+from .metering import Exchange, MeteredGrid
 from .model import Net, evaluate
 from .protocol import sync_prefixes
 from .strategies.dlion import DistributedLion
@@ -39,7 +42,7 @@ def _json_number(value: float | int | None) -> float | int | None:
     return value
 
 
-def build_strategy(cfg: dict[str, Any]) -> Strategy:
+def build_strategy(cfg: dict[str, Any], state_key: str = "") -> Strategy:
     """The strategy named by run config ``strategy``, with its hyperparameters from ``cfg``.
 
     ``signsgd-vote`` is Signum with majority vote (Bernstein et al., 2019): each worker
@@ -47,7 +50,7 @@ def build_strategy(cfg: dict[str, Any]) -> Strategy:
     (``momentum``): sign(β·m + (1−β)·g) is the sign of the new m. So it runs on the same
     client and strategy, with the same 1-bit messages.
     """
-    common = {"fraction_train": cfg["fraction-train"], "min_replies": cfg["min-replies"]}
+    common = {"fraction_train": cfg["fraction-train"], "min_replies": cfg["min-replies"], "sample_seed": cfg["seed"]}
     name = cfg["strategy"]
     if name in ("dlion-vote", "dlion-mean", "signsgd-vote"):
         beta1, beta2 = (cfg["momentum"], cfg["momentum"]) if name == "signsgd-vote" else (cfg["beta1"], cfg["beta2"])
@@ -64,6 +67,7 @@ def build_strategy(cfg: dict[str, Any]) -> Strategy:
             momentum_sync_every=cfg["momentum-sync-every"],
             momentum_sync_layers=sync_prefixes(cfg["momentum-sync-layers"]),
             init_seed=cfg["seed"] if cfg["init"] == "seed" else None,  # x₀ = model.seeded_net(seed)
+            state_key=state_key,
             **common,
         )
     if name in ("global-lion", "global-adamw", "terngrad"):
@@ -112,10 +116,25 @@ def run_federation(grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, s
     Writes ``results.jsonl`` (one object per round, round 0 = the initial model),
     ``summary.json`` and (with ``save_model``) ``final_model.pt`` into the results directory.
     Bytes are measured on the messages by :class:`~flower_dlion.metering.MeteredGrid`, the
-    same way for every strategy.
+    same way for every strategy (train messages and the one hello per new node).
+
+    With ``checkpoint-every`` K, ``checkpoint.pt`` is written atomically after every K-th
+    and the last round: the strategy's state (x, version, kept Δs, each partition's
+    version, error and momentum buffers, metrics), the rows so far, the byte tallies and
+    the run config. ``resume = "<path>"`` goes on from such a file (by default into its
+    folder); only ``checkpoint.RESUMABLE_KEYS`` may differ. Sampling and client batches
+    are functions of (seed, round, partition), so no generator state needs saving.
     """
     cfg = read_config(run_config)
-    out_dir = Path(cfg["results-dir"]).expanduser() if cfg["results-dir"] else default_results_dir(run_id)
+    ckpt = load_checkpoint(Path(cfg["resume"]).expanduser()) if cfg["resume"] else None
+    if ckpt is not None:
+        check_resumable(ckpt["run-config"], cfg)
+    if cfg["results-dir"]:
+        out_dir = Path(cfg["results-dir"]).expanduser()
+    elif cfg["resume"]:
+        out_dir = Path(cfg["resume"]).expanduser().parent
+    else:
+        out_dir = default_results_dir(run_id)
     out_dir = out_dir.resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     log(INFO, "[flower-dlion] %s, results directory: %s", cfg["strategy"], out_dir)
@@ -124,14 +143,29 @@ def run_federation(grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, s
     model = Net()  # the same x₀ as model.seeded_net(seed), which init = "seed" clients build
     initial = ArrayRecord({name: Array(p.detach().numpy().copy()) for name, p in model.named_parameters()})
     eval_name, eval_x, eval_y = evaluation_set(cfg)
-    strategy = build_strategy(cfg)
+    state_key = uuid.uuid4().hex if cfg["client-state-dir"] else ""  # kept across resumes (in the strategy)
+    strategy = build_strategy(cfg, state_key)
     metered = MeteredGrid(grid)
     num_rounds = cfg["num-server-rounds"]
     results_path = out_dir / "results.jsonl"
-    results_path.write_text("")
-    t_start = time.perf_counter()
+    rows: list[dict[str, Any]] = []
     evals: dict[int, float] = {}
-    eval_seconds = [0.0]
+    elapsed = {"before": 0.0, "eval": 0.0}  # wall and evaluation seconds of the runs before a resume
+    start_round = 1
+    if ckpt is not None:
+        assert isinstance(strategy, (DistributedLion, GlobalOptimizer))
+        strategy.load_state_dict(ckpt["strategy"])
+        initial = strategy.arrays()
+        start_round = int(ckpt["round"]) + 1
+        rows = list(ckpt["rows"])
+        evals = {int(k): float(v) for k, v in ckpt["evals"].items()}
+        metered.exchanges = [Exchange(**e) for e in ckpt["exchanges"]]
+        elapsed = dict(ckpt["elapsed"])
+        torch.set_rng_state(ckpt["torch-rng"])
+        log(INFO, "[flower-dlion] resuming from %s after round %d", cfg["resume"], start_round - 1)
+    results_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    t_start = time.perf_counter()
+    seen = [len(metered.exchanges)]  # exchanges before the current round
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
         """Evaluate x every ``eval-every`` rounds (and first and last); log and record the round."""
@@ -141,7 +175,7 @@ def run_federation(grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, s
             model.load_state_dict(arrays.to_torch_state_dict())
             loss, acc = evaluate(model, eval_x, eval_y)
             evals[server_round] = acc
-            eval_seconds[0] += time.perf_counter() - t0
+            elapsed["eval"] += time.perf_counter() - t0
         row: dict[str, Any] = {
             "round": server_round,
             "accuracy": acc,
@@ -154,12 +188,13 @@ def run_federation(grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, s
             "num_errors": 0,
         }
         if server_round > 0:
-            ex = next(e for e in reversed(metered.exchanges) if e.message_type == MessageType.TRAIN)
+            this_round, seen[0] = metered.exchanges[seen[0] :], len(metered.exchanges)
+            ex = next(e for e in reversed(this_round) if e.message_type == MessageType.TRAIN)
             row.update(
                 {
                     "train_loss": ex.train_loss,
-                    "bytes_up": ex.bytes_up,
-                    "bytes_down": ex.bytes_down,
+                    "bytes_up": sum(e.bytes_up for e in this_round),  # train and hello messages
+                    "bytes_down": sum(e.bytes_down for e in this_round),
                     "num_sent": ex.num_sent,
                     "num_replies": ex.num_replies,
                     "num_errors": ex.num_errors,
@@ -170,7 +205,12 @@ def run_federation(grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, s
                 row.update(
                     {
                         "num_rejected": m["num-rejected"],
+                        "num_failed": m["num-failed"],
                         "full_syncs": m["full-syncs"],
+                        "catch_ups": m["catch-ups"],
+                        "checksum_mismatches": m["checksum-mismatches"],
+                        "state_resets": m["state-resets"],
+                        "applied": m["applied"],
                         "bytes_up_fp32": m["bytes-up-fp32"],
                         "bytes_down_fp32": m["bytes-down-fp32"],
                         "tie_fraction": m["tie-fraction"],
@@ -185,26 +225,52 @@ def run_federation(grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, s
                 server_round,
                 num_rounds,
                 ex.num_replies,
-                ex.bytes_up / 1e3,
-                ex.bytes_down / 1e3,
+                row["bytes_up"] / 1e3,
+                row["bytes_down"] / 1e3,
                 f"{eval_name} accuracy {acc:.4f}" if acc is not None else "not evaluated",
             )
-        row["wall_time_s"] = round(time.perf_counter() - t_start, 3)
+        row["wall_time_s"] = round(elapsed["before"] + time.perf_counter() - t_start, 3)
+        row = {k: _json_number(v) for k, v in row.items()}
+        rows.append(row)
         with results_path.open("a") as f:
-            f.write(json.dumps({k: _json_number(v) for k, v in row.items()}) + "\n")
+            f.write(json.dumps(row) + "\n")
         return None if acc is None else MetricRecord({"accuracy": acc, "loss": loss})
 
+    def on_round_end(server_round: int) -> None:
+        """Write the checkpoint every ``checkpoint-every`` rounds and after the last one."""
+        every = cfg["checkpoint-every"]
+        if not every or (server_round % every and server_round != num_rounds):
+            return
+        assert isinstance(strategy, (DistributedLion, GlobalOptimizer))
+        payload = {
+            "round": server_round,
+            "run-config": cfg,
+            "strategy": strategy.state_dict(),
+            "rows": rows,
+            "evals": evals,
+            "exchanges": [dataclasses.asdict(e) for e in metered.exchanges],
+            "elapsed": {"before": elapsed["before"] + time.perf_counter() - t_start, "eval": elapsed["eval"]},
+            "torch-rng": torch.get_rng_state(),
+        }
+        save_checkpoint(out_dir / "checkpoint.pt", payload)
+        if isinstance(strategy, DistributedLion):
+            strategy.checkpoint_round = server_round  # clients may now drop older state files
+        log(INFO, "[flower-dlion] round %d: checkpoint written to %s", server_round, out_dir / "checkpoint.pt")
+
+    resumable = {"start_round": start_round, "on_round_end": on_round_end}  # our strategies' start()
     result = strategy.start(
         grid=metered,
         initial_arrays=initial,
         num_rounds=num_rounds,
+        timeout=cfg["round-timeout"],
         train_config=train_config(cfg),
         evaluate_fn=evaluate_fn,
+        **(resumable if isinstance(strategy, (DistributedLion, GlobalOptimizer)) else {}),
     )
-    wall = time.perf_counter() - t_start
+    wall = elapsed["before"] + time.perf_counter() - t_start
 
     train = [e for e in metered.exchanges if e.message_type == MessageType.TRAIN]
-    up, down = sum(e.bytes_up for e in train), sum(e.bytes_down for e in train)
+    up, down = sum(e.bytes_up for e in metered.exchanges), sum(e.bytes_down for e in metered.exchanges)
     replies = sum(e.num_replies - e.num_errors for e in train)
     d = sum(p.numel() for p in model.parameters())
     final = evals.get(num_rounds)
@@ -215,12 +281,13 @@ def run_federation(grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, s
         "best_accuracy": max(evals.values()),
         "rounds": num_rounds,
         "wall_time_s": round(wall, 2),
-        "eval_time_s": round(eval_seconds[0], 2),
+        "eval_time_s": round(elapsed["eval"], 2),
         "num_parameters": d,
         "total_mb_up": up / 1e6,
         "total_mb_down": down / 1e6,
-        "bytes_up_per_reply": up / max(replies, 1),
+        "bytes_up_per_reply": sum(e.bytes_up for e in train) / max(replies, 1),
         "fp32_model_bytes": 4 * d,
+        "resumed_from_round": start_round - 1 if ckpt is not None else None,
         "config": cfg,
     }
     if isinstance(strategy, DistributedLion):

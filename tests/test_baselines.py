@@ -12,14 +12,7 @@ from flower_dlion.clients.gradient import encode_terngrad
 from flower_dlion.protocol import GRAD_METRICS, GRAD_UPDATE, TERNGRAD_STYPE, bits_array, message_bytes
 from flower_dlion.strategies import GlobalOptimizer
 
-
-class StubGrid:
-    def __init__(self, node_ids: list[int]) -> None:
-        self.node_ids = node_ids
-
-    def get_node_ids(self) -> list[int]:
-        return list(self.node_ids)
-
+from .test_strategy import StubGrid
 
 X0 = np.array([1.0, -1.0, 0.5, 2.0, -0.25], dtype=np.float32)  # w: 3 values, b: 2 values
 SIZES = [3, 2]

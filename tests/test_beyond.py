@@ -188,7 +188,7 @@ def test_integer_sum_reply_with_a_level_out_of_range_is_rejected(caplog: pytest.
     _, metrics = strategy.aggregate_train(1, [bad, levels_reply(sent[2], [2] * 10, 5)])
     # Assert: the bad reply is out, the other one applied (U = 0 → only weight decay)
     assert metrics["num-rejected"] == 1 and metrics["num-replies"] == 1
-    assert "rejected reply from node 1: Array 'levels': level above 4" in caplog.text
+    assert "rejected reply from node 1 (partition 1): Array 'levels': level above 4" in caplog.text
     assert torch.equal(strategy.x, x_before.mul(1 - 0.1 * 0.1 * 2).sub_(torch.zeros(10)))
 
 

@@ -9,18 +9,31 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
 
 from flower_dlion import codec
-from flower_dlion.protocol import CONFIG, DELTA, METRICS, UPDATE, checksum, message_bytes
+from flower_dlion.protocol import CONFIG, DELTA, HELLO, METRICS, UPDATE, checksum, message_bytes
 from flower_dlion.strategies import DistributedLion
 
 
 class StubGrid:
-    """Just enough of a Grid for configure_train: the connected node ids."""
+    """Just enough of a Grid for configure_train: the connected node ids; node n says hello as partition n."""
 
-    def __init__(self, node_ids: list[int]) -> None:
+    def __init__(
+        self, node_ids: list[int], versions: dict[int, int] | None = None, partitions: dict[int, int] | None = None
+    ) -> None:
         self.node_ids = node_ids
+        self.versions = versions or {}  # node id → replica version it reports (default: none)
+        self.partitions = partitions or {}  # node id → partition id (default: the node id)
 
     def get_node_ids(self) -> list[int]:
         return list(self.node_ids)
+
+    def send_and_receive(self, messages: list[Message], *, timeout: float | None = None) -> list[Message]:
+        out = []
+        for msg in messages:
+            n = msg.metadata.dst_node_id
+            pid = self.partitions.get(n, n)
+            hello = {"partition-id": pid, "num-partitions": 100, "version": self.versions.get(n, -1)}
+            out.append(Message(RecordDict({HELLO: MetricRecord(hello)}), reply_to=msg))
+        return out
 
 
 X0 = np.array([0.5, -0.25, 1.0, 0.0, 2.0, -1.0, 0.125, 3.0, -0.5, 0.75], dtype=np.float32)  # d = 10
@@ -247,8 +260,8 @@ def test_reply_from_unsampled_node_or_closed_round_is_rejected(caplog: pytest.Lo
     _, metrics = strategy.aggregate_train(2, [signs_reply(sent2[1], SIGNS[0], x=x_before), late2, late3])
     # Assert
     assert metrics["num-replies"] == 1 and metrics["num-rejected"] == 2
-    assert "node 2: reply for round '1', the open round is 2" in caplog.text
-    assert "node 3: no train message was sent to this node this round" in caplog.text
+    assert "node 2 (partition 2): reply for round '1', the open round is 2" in caplog.text
+    assert "node 3 (partition 3): no train message was sent to this node this round" in caplog.text
 
 
 def test_min_replies_threshold_skips_update(caplog: pytest.LogCaptureFixture) -> None:

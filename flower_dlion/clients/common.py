@@ -19,7 +19,10 @@ from ..model import Net
 
 __all__ = [
     "ClientStateError",
+    "SimulatedFailure",
     "batch",
+    "byzantine",
+    "inject_failure",
     "model_on",
     "partition",
     "partition_id",
@@ -31,6 +34,28 @@ __all__ = [
 
 class ClientStateError(RuntimeError):
     """The node's stored state or configuration cannot serve the message it received."""
+
+
+class SimulatedFailure(RuntimeError):
+    """A failure injected on purpose (run config ``fail-fraction``), for fault studies."""
+
+
+def inject_failure(settings: dict[str, Any], pid: int, server_round: int) -> None:
+    """Raise :class:`SimulatedFailure` with probability ``fail-fraction``, seeded by (seed, partition, round).
+
+    The same partitions fail in the same rounds in every run with the same seed.
+    """
+    p = settings["fail-fraction"]
+    if p and np.random.default_rng([settings["seed"], pid, server_round, 0xFA11]).random() < p:
+        raise SimulatedFailure(f"partition {pid}: simulated failure in round {server_round} (fail-fraction {p})")
+
+
+def byzantine(settings: dict[str, Any], pid: int, num_partitions: int) -> bool:
+    """Whether partition ``pid`` is one of the k = ⌊f·n + ½⌋ Byzantine clients (ids 0 … k−1).
+
+    f is run config ``byzantine-fraction`` and n the number of partitions.
+    """
+    return pid < int(settings["byzantine-fraction"] * num_partitions + 0.5)
 
 
 def resolve_device(name: str) -> torch.device:

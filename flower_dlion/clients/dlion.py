@@ -15,13 +15,21 @@ One ``train`` message, in order:
    quantization error e kept for the next round (error feedback);
 4. reply with it, the loss, the number of examples, the replica's version and its checksum
    (and its momentum in a momentum-sync round);
-5. store x, m, e and the version back in ``context.state``.
+5. store x, m, e and the version back in ``context.state`` (and, with run config
+   ``client-state-dir``, in a file per round, so that the node's state survives a restart
+   of its SuperNode and a resumed ServerApp finds it; see :func:`restore_state`).
+
+Faults for studies: with ``byzantine-fraction`` the first k partitions upload −U
+(``byzantine-mode = "flip"``) or K·(random signs) (``"random"``) instead of U.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -42,9 +50,19 @@ from ..protocol import (
     checksum,
     sync_prefixes,
 )
-from .common import ClientStateError, batch, resolve_device, seeded_generator, setup
+from .common import ClientStateError, batch, byzantine, partition_id, resolve_device, seeded_generator, setup
 
-__all__ = ["ClientStateError", "ReplicaState", "apply_message", "load_state", "resolve_device", "save_state", "train"]
+__all__ = [
+    "ClientStateError",
+    "ReplicaState",
+    "apply_message",
+    "held_version",
+    "load_state",
+    "resolve_device",
+    "restore_state",
+    "save_state",
+    "train",
+]
 
 STATE_ARRAYS = "dlion.state"
 STATE_META = "dlion.state-meta"
@@ -58,6 +76,7 @@ class ReplicaState:
     m: torch.Tensor  # Lion momentum, float32 (d,)
     version: int  # number of Δs applied to x since the start
     error: torch.Tensor | None = None  # error-feedback residual of the ef-sign upload, float32 (d,)
+    round: int = 0  # the server round whose train message left the node in this state
 
 
 def load_state(context: Context, d: int, device: torch.device) -> ReplicaState | None:
@@ -78,20 +97,87 @@ def load_state(context: Context, d: int, device: torch.device) -> ReplicaState |
         if "x" not in stored or "m" not in stored:
             raise KeyError(f"arrays {sorted(stored)} lack 'x' or 'm'")
         version = int(meta["version"])
+        saved_round = int(meta.get("round", 0))
     except Exception as err:
         raise ClientStateError(f"node {context.node_id}: stored state is incomplete ({err!r})") from err
     bad = {name: a.shape for name, a in stored.items() if a.shape != (d,)}
     if bad:
         raise ClientStateError(f"node {context.node_id}: stored state has shapes {bad}, model has d={d}")
     tensors = {name: torch.from_numpy(a.copy()).to(device) for name, a in stored.items()}
-    return ReplicaState(tensors["x"], tensors["m"], version, tensors.get("e"))
+    return ReplicaState(tensors["x"], tensors["m"], version, tensors.get("e"), saved_round)
 
 
 def save_state(context: Context, state: ReplicaState) -> None:
     """Store x, m (and e) and the version in ``context.state`` (kept by Flower across rounds)."""
     arrays = {"x": state.x, "m": state.m} | ({"e": state.error} if state.error is not None else {})
     context.state[STATE_ARRAYS] = ArrayRecord({k: Array(v.detach().cpu().numpy()) for k, v in arrays.items()})
-    context.state[STATE_META] = ConfigRecord({"version": state.version})
+    context.state[STATE_META] = ConfigRecord({"version": state.version, "round": state.round})
+
+
+# ---------------------------------------------------------------- state files (client-state-dir)
+def _state_folder(settings: dict[str, Any], key: str, pid: int) -> Path | None:
+    """``<client-state-dir>/<state-key>/partition-<pid>``, or None when state files are off."""
+    if not settings["client-state-dir"] or not key:
+        return None
+    return Path(settings["client-state-dir"]).expanduser() / key / f"partition-{pid}"
+
+
+def _saved_rounds(folder: Path) -> list[int]:
+    """Rounds of the complete state files in ``folder`` (``r<round>.pt``), ascending."""
+    if not folder.is_dir():
+        return []
+    return sorted(int(p.stem[1:]) for p in folder.glob("r*.pt") if p.stem[1:].isdigit())
+
+
+def _write_state_file(folder: Path, state: ReplicaState, keep_round: int) -> None:
+    """Write ``r<round>.pt`` atomically; delete files older than the newest one at or before ``keep_round``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"r{state.round}.pt"
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    arrays = {"x": state.x, "m": state.m} | ({"e": state.error} if state.error is not None else {})
+    torch.save({"version": state.version, "round": state.round} | {k: v.cpu() for k, v in arrays.items()}, tmp)
+    os.replace(tmp, path)  # readers see the old file or the new one, never half of one
+    rounds = _saved_rounds(folder)
+    kept = max((r for r in rounds if r <= keep_round), default=None)
+    for r in rounds:
+        if r < (kept if kept is not None else 0) or r > state.round:  # older than needed, or a dead future
+            (folder / f"r{r}.pt").unlink(missing_ok=True)
+
+
+def _read_state_file(folder: Path, as_of_round: int, d: int, device: torch.device) -> ReplicaState | None:
+    """The newest state saved at or before ``as_of_round``, or None."""
+    rounds = [r for r in _saved_rounds(folder) if r <= as_of_round]
+    if not rounds:
+        return None
+    saved = torch.load(folder / f"r{rounds[-1]}.pt", map_location=device, weights_only=True)
+    if saved["x"].shape != (d,) or saved["m"].shape != (d,):
+        raise ClientStateError(f"state file {folder}/r{rounds[-1]}.pt has shape {tuple(saved['x'].shape)}, d={d}")
+    return ReplicaState(saved["x"], saved["m"], int(saved["version"]), saved.get("e"), int(saved["round"]))
+
+
+def restore_state(
+    context: Context, settings: dict[str, Any], cfg: ConfigRecord, d: int, device: torch.device
+) -> ReplicaState | None:
+    """The node's state as of the end of round ``state-round`` (the server says which).
+
+    ``context.state`` when it holds it; otherwise, with ``client-state-dir``, the newest
+    state file at or before that round (a restarted SuperNode, or a resumed ServerApp in
+    a new run whose contexts start empty); None for a node that has no state.
+    """
+    state = load_state(context, d, device)
+    as_of = int(cfg.get("state-round", -1))
+    folder = _state_folder(settings, str(cfg.get("state-key", "")), partition_id(context)[0])
+    if folder is None or as_of < 0 or (state is not None and state.round <= as_of):
+        return state
+    return _read_state_file(folder, as_of, d, device)
+
+
+def held_version(context: Context, settings: dict[str, Any], request: ConfigRecord) -> int:
+    """Version of the replica :func:`restore_state` would start from, -1 for none."""
+    model = setup(context)[2]
+    d = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    state = restore_state(context, settings, request, d, torch.device("cpu"))
+    return -1 if state is None else state.version
 
 
 def _seeded_state(cfg: ConfigRecord, d: int, device: torch.device, node_id: int) -> ReplicaState:
@@ -142,8 +228,13 @@ def apply_message(
             "the server must send the full model"
         )
     base = int(cfg["base-version"])
-    if state.version != base:
-        raise ClientStateError(f"node {node_id}: replica at version {state.version}, update is for version {base}")
+    if kind == "none" and state.version != base:
+        raise ClientStateError(f"node {node_id}: replica at version {state.version}, server's is {base}")
+    if not base <= state.version <= version:
+        raise ClientStateError(
+            f"node {node_id}: replica at version {state.version}, update goes from version {base} to {version}"
+        )
+    skip = state.version - base  # Δs this replica already has (it applied them, its reply was lost)
     if kind == "deltas":
         arr = content[UPDATE]["payload"]
         if arr.stype != LEVELS_STYPE:
@@ -165,8 +256,9 @@ def apply_message(
             s = None
             if scales:
                 s = torch.tensor(scales[i * num_tensors : (i + 1) * num_tensors], dtype=torch.float32, device=device)
-            delta = quantizers.dequantize(levels, num_levels, s, sizes or [d])  # Δ = scale · value
-            lion.apply_update_(state.x, delta, lr, wd)
+            if i >= skip:
+                delta = quantizers.dequantize(levels, num_levels, s, sizes or [d])  # Δ = scale · value
+                lion.apply_update_(state.x, delta, lr, wd)
             offset += size
         if offset != buf.numel():
             raise ClientStateError(f"node {node_id}: update has {buf.numel()} bytes, its Δs use {offset}")
@@ -207,7 +299,7 @@ def train(msg: Message, context: Context) -> Message:
     d = sum(sizes)
 
     state = apply_message(
-        msg.content, load_state(context, d, device), d, device, context.node_id, layout(model), sizes
+        msg.content, restore_state(context, settings, cfg, d, device), d, device, context.node_id, layout(model), sizes
     )  # 1. replica up to date
     sync = int(cfg.get("momentum-sync", 0))
     if sync or MOMENTUM in msg.content:  # parameters whose momentum is synchronized
@@ -258,6 +350,11 @@ def train(msg: Message, context: Context) -> Message:
         beta2=float(cfg["beta2"]),
     )
     gen = seeded_generator(device, seed, pid, server_round)  # coin flips for exact zeros
+    if byzantine(settings, *partition_id(context)):  # a fault study's attacker
+        if settings["byzantine-mode"] == "flip":
+            u = -u
+        else:
+            u = steps * (2.0 * torch.randint(0, 2, u.shape, generator=gen, device=device) - 1.0)
     arrays = _encode_upload(u, state, cfg, sizes, gen)  # 3. on the device, only bytes leave it
     if sync:
         arrays["momentum"] = Array(state.m[mask].cpu().numpy())
@@ -275,5 +372,9 @@ def train(msg: Message, context: Context) -> Message:
             ),
         }
     )
+    state.round = server_round
     save_state(context, state)  # 5. persist for the next round
+    folder = _state_folder(settings, str(cfg.get("state-key", "")), pid)
+    if folder is not None:
+        _write_state_file(folder, state, int(cfg.get("keep-round", 0)))
     return Message(content=reply, reply_to=msg)

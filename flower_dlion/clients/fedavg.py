@@ -4,6 +4,11 @@ Speaks Flower's own ``FedAvg`` messages: receives "arrays" (the global model) an
 "config" (lr, momentum, weight-decay, local-epochs, batch-size, seed, server-round),
 replies "arrays" (the local model) and "metrics" (num-examples, train-loss). The
 optimizer (``torch.optim.SGD``) starts fresh every round, as in McMahan et al. (2017).
+
+Faults for studies: with ``byzantine-fraction`` the first k partitions send
+x + s·(−u) (``byzantine-mode = "flip"``) or x + s·‖u‖·ξ/‖ξ‖ with Gaussian ξ
+(``"random"``) instead of x + u, where u is their honest update and s is
+``byzantine-scale``.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from torch import nn
 
 from ..data import to_tensor
-from .common import partition, setup
+from .common import byzantine, partition, partition_id, setup
 
 __all__ = ["train"]
 
@@ -46,10 +51,30 @@ def train(msg: Message, context: Context) -> Message:
             opt.step()
             total += loss.item() * idx.numel()
             seen += idx.numel()
+    state = model.state_dict()
+    if byzantine(settings, *partition_id(context)):  # a fault study's attacker
+        state = _attack(msg.content["arrays"].to_torch_state_dict(), state, settings, rng)
     reply = RecordDict(
         {
-            "arrays": ArrayRecord(model.state_dict()),
+            "arrays": ArrayRecord(state),
             "metrics": MetricRecord({"num-examples": int(rows.size), "train-loss": total / max(seen, 1)}),
         }
     )
     return Message(content=reply, reply_to=msg)
+
+
+def _attack(
+    sent: dict[str, torch.Tensor], trained: dict[str, torch.Tensor], settings: dict, rng: np.random.Generator
+) -> dict[str, torch.Tensor]:
+    """The Byzantine model: the honest update u = trained − sent flipped or randomized, times s."""
+    scale = settings["byzantine-scale"]
+    out = {}
+    for name, x in sent.items():
+        x = x.to(trained[name].device)
+        u = trained[name] - x
+        if settings["byzantine-mode"] == "flip":
+            out[name] = x - scale * u
+        else:
+            xi = torch.from_numpy(rng.standard_normal(u.shape).astype(np.float32)).to(u.device)
+            out[name] = x + scale * u.norm() * xi / xi.norm().clamp_min(1e-12)
+    return out

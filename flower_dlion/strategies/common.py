@@ -1,18 +1,26 @@
-"""What both of our strategies share: argument checks, the flat global model, sampling, no federated eval."""
+"""What both of our strategies share: checks, the flat model, sampling by partition, the round loop.
+
+Nodes are known by partition id and sampled reproducibly; the round loop can start at a
+later round (a resume); there is no federated evaluation.
+"""
 
 from __future__ import annotations
 
+import io
 import math
-from collections.abc import Iterable
-from logging import INFO
+import time
+from collections.abc import Callable, Iterable
+from logging import INFO, WARNING
+from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Strategy
-from flwr.serverapp.strategy.strategy_utils import sample_nodes
+from flwr.serverapp.strategy import Result, Strategy
 from flwr.supercore import log
+
+from ..protocol import HELLO, RejectedReply, read_metrics
 
 __all__ = ["Layout", "ServerModelStrategy", "check_common_args", "flatten", "unflatten"]
 
@@ -63,6 +71,13 @@ class ServerModelStrategy(Strategy):
     x is taken from the initial arrays in the first ``configure_train``. The model is
     evaluated on the server (``evaluate_fn``); there is no federated evaluation.
 
+    Nodes are known by their partition id, not by Flower's node ids (random per run, new
+    after a SuperNode restarts): each new node id gets one ``query`` message
+    (``protocol.HELLO``) and says which partition it trains on. Round t samples
+    ``max(min_train_nodes, ⌊fraction_train · N⌋)`` of the N connected partitions with
+    ``numpy.random.default_rng([sample_seed, t])``: the same partitions in every run with
+    the same seed, whatever the node ids, and after a resume.
+
     Parameters
     ----------
     fraction_train : float
@@ -73,11 +88,19 @@ class ServerModelStrategy(Strategy):
         Wait until this many nodes are connected before sampling.
     min_replies : int
         A round with fewer valid replies applies no update.
+    sample_seed : int
+        Seed of the sampling.
 
     """
 
     def __init__(
-        self, *, fraction_train: float, min_train_nodes: int, min_available_nodes: int, min_replies: int
+        self,
+        *,
+        fraction_train: float,
+        min_train_nodes: int,
+        min_available_nodes: int,
+        min_replies: int,
+        sample_seed: int = 0,
     ) -> None:
         if not 0.0 < fraction_train <= 1.0:
             raise ValueError(f"fraction_train must be in (0, 1], got {fraction_train}")
@@ -92,8 +115,12 @@ class ServerModelStrategy(Strategy):
         self.min_train_nodes = min_train_nodes
         self.min_available_nodes = min_available_nodes
         self.min_replies = min_replies
+        self.sample_seed = sample_seed
         self.x: torch.Tensor | None = None  # the global model, flat float32
         self._layout: Layout = []
+        self._pid_of: dict[int, int] = {}  # node id → partition id
+        self._node_of: dict[int, int] = {}  # partition id → node id
+        self.query_timeout = 600.0  # seconds to wait for the answers to a hello
 
     @property
     def num_parameters(self) -> int:
@@ -109,12 +136,134 @@ class ServerModelStrategy(Strategy):
         assert self.x is not None
         return unflatten(self.x, self._layout)
 
-    def _sample(self, grid: Grid) -> list[int]:
-        """Flower's node sampling with this strategy's fraction and minimums; logs the sample."""
-        num_nodes = int(len(list(grid.get_node_ids())) * self.fraction_train)
-        node_ids, all_nodes = sample_nodes(grid, self.min_available_nodes, max(num_nodes, self.min_train_nodes))
-        log(INFO, "configure_train: sampled %d nodes (out of %d)", len(node_ids), len(all_nodes))
-        return node_ids
+    def partition_of(self, node_id: int) -> int:
+        """The partition id a node said it trains on (-1 if unknown)."""
+        return self._pid_of.get(node_id, -1)
+
+    def _hello_config(self, server_round: int) -> ConfigRecord:
+        """What a hello carries (subclasses add their keys)."""
+        return ConfigRecord()
+
+    def _on_new_node(self, pid: int, node_id: int, version: int, previous: int | None) -> None:
+        """A node introduced itself (``previous``: the node id this partition had before)."""
+        if previous is not None:
+            log(WARNING, "partition %d: node %d replaces node %d (a restarted SuperNode?)", pid, node_id, previous)
+
+    def _discover(self, grid: Grid, server_round: int) -> list[int]:
+        """Wait for ``min_available_nodes``; say hello to new node ids; the connected nodes we know."""
+        connected = list(grid.get_node_ids())
+        while len(connected) < self.min_available_nodes:
+            log(INFO, "waiting for nodes: %d of %d connected", len(connected), self.min_available_nodes)
+            time.sleep(1.0)
+            connected = list(grid.get_node_ids())
+        new = [n for n in connected if n not in self._pid_of]
+        if new:
+            content = RecordDict({HELLO: self._hello_config(server_round)})
+            group = f"hello-{server_round}"
+            hellos = [
+                Message(content=content, dst_node_id=n, message_type=MessageType.QUERY, group_id=group) for n in new
+            ]
+            for reply in grid.send_and_receive(hellos, timeout=self.query_timeout):
+                node_id = reply.metadata.src_node_id
+                try:
+                    if reply.has_error():
+                        raise RejectedReply(f"client error (code {reply.error.code}): {reply.error.reason}")
+                    if node_id not in new:
+                        raise RejectedReply("no hello was sent to this node")
+                    values = read_metrics(reply.content, HELLO, ("partition-id", "version"), extra_ok=True)
+                    pid, version = values["partition-id"], values["version"]
+                    if not (isinstance(pid, int) and pid >= 0 and isinstance(version, int) and version >= -1):
+                        raise RejectedReply(f"partition-id {pid!r} / version {version!r} are not valid integers")
+                except (RejectedReply, KeyError, TypeError) as err:
+                    log(WARNING, "round %d: rejected hello from node %d: %s", server_round, node_id, err)
+                    continue
+                previous = self._node_of.get(pid)
+                if previous is not None:
+                    self._pid_of.pop(previous, None)
+                self._pid_of[node_id] = pid
+                self._node_of[pid] = node_id
+                self._on_new_node(pid, node_id, version, previous)
+        return [n for n in connected if self._pid_of.get(n) is not None and self._node_of[self._pid_of[n]] == n]
+
+    def _sample(self, grid: Grid, server_round: int) -> list[int]:
+        """Node ids of the partitions sampled for ``server_round`` (seeded by round, see the class doc)."""
+        nodes = self._discover(grid, server_round)
+        pids = sorted(self._pid_of[n] for n in nodes)
+        k = min(len(pids), max(self.min_train_nodes, int(len(pids) * self.fraction_train)))
+        if k < len(pids):
+            pids = sorted(np.random.default_rng([self.sample_seed, server_round]).choice(pids, k, replace=False))
+        log(INFO, "configure_train: sampled %d nodes (out of %d)", len(pids), len(nodes))
+        return [self._node_of[int(p)] for p in pids]
+
+    # ------------------------------------------------------------------ the round loop
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+        *,
+        start_round: int = 1,
+        on_round_end: Callable[[int], Any] | None = None,
+    ) -> Result:
+        """Flower's ``Strategy.start`` loop, from ``start_round`` (a resume), with a per-round hook.
+
+        As Flower's: rounds ``start_round`` … ``num_rounds`` of configure/send/aggregate
+        train, then ``evaluate_fn(round, arrays)``; ``evaluate_fn(0, …)`` before round 1
+        (not when resuming). There is no federated evaluation. ``on_round_end(round)`` runs
+        after each round's evaluation (the server app writes checkpoints there).
+        """
+        log(INFO, "Starting %s strategy (rounds %d to %d):", type(self).__name__, start_round, num_rounds)
+        self.summary()
+        self.query_timeout = timeout
+        train_config = ConfigRecord() if train_config is None else train_config
+        result = Result()
+        t_start = time.time()
+        arrays = initial_arrays
+        if evaluate_fn and start_round == 1:
+            res = evaluate_fn(0, initial_arrays)
+            if res is not None:
+                result.evaluate_metrics_serverapp[0] = res
+        for current_round in range(start_round, num_rounds + 1):
+            log(INFO, "")
+            log(INFO, "[ROUND %s/%s]", current_round, num_rounds)
+            replies = grid.send_and_receive(
+                messages=self.configure_train(current_round, arrays, train_config, grid), timeout=timeout
+            )
+            agg_arrays, agg_metrics = self.aggregate_train(current_round, replies)
+            if agg_arrays is not None:
+                result.arrays = arrays = agg_arrays
+            if agg_metrics is not None:
+                log(INFO, "\t└──> Aggregated MetricRecord: %s", agg_metrics)
+                result.train_metrics_clientapp[current_round] = agg_metrics
+            if evaluate_fn:
+                res = evaluate_fn(current_round, arrays)
+                if res is not None:
+                    result.evaluate_metrics_serverapp[current_round] = res
+            if on_round_end:
+                on_round_end(current_round)
+        log(INFO, "Strategy execution finished in %.2fs", time.time() - t_start)
+        for line in io.StringIO(str(result)):
+            log(INFO, "\t%s", line.strip("\n"))
+        return result
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the strategy needs to go on from here (torch-saveable)."""
+        return {
+            "x": None if self.x is None else self.x.clone(),
+            "layout": list(self._layout),
+            "partitions": dict(self._node_of),  # only informative: node ids change after a resume
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Go on from :meth:`state_dict` (node ids are forgotten: nodes say hello again)."""
+        self.x = None if state["x"] is None else state["x"].clone()
+        self._layout = [(name, tuple(shape)) for name, shape in state["layout"]]
+        self._pid_of, self._node_of = {}, {}
 
     def _log_sampling(self) -> None:
         """The sampling line of ``summary()``."""

@@ -18,6 +18,7 @@ from flwr.supercore import log
 from .. import codec, lion, quantizers
 from ..model import layer_mask, layout_fingerprint
 from ..protocol import (
+    CLIENT_STATE_ERROR,
     CONFIG,
     DELTA,
     LEVELS_STYPE,
@@ -30,6 +31,7 @@ from ..protocol import (
     RejectedReply,
     check_envelope,
     checksum,
+    float_array,
     message_bytes,
     read_metrics,
 )
@@ -71,6 +73,7 @@ class _Round:
     base_checksum: int
     sent: dict[int, str] = field(default_factory=dict)  # node id → kind sent
     seeded: set[int] = field(default_factory=set)  # nodes told to build x₀ from the seed
+    chain_lengths: dict[int, int] = field(default_factory=dict)  # node id → number of Δs sent
     momentum_sync: bool = False  # clients upload their momentum this round
     bytes_down: int = 0
     bytes_down_fp32: int = 0
@@ -142,6 +145,19 @@ class DistributedLion(ServerModelStrategy):
     init_seed : int | None (default: None)
         When the initial model is ``model.seeded_net(init_seed)``, a new node is sent the
         seed (and a checksum) instead of the full model.
+    sample_seed : int (default: 0)
+        Seed of the partition sampling (round t samples with ``default_rng([seed, t])``).
+    state_key : str (default: "")
+        The run's identity for clients that keep their state in files (run config
+        ``client-state-dir``); kept in checkpoints so that a resumed run finds the files.
+        "" sends nothing (state in ``context.state`` only).
+
+    Notes
+    -----
+    Faults: a node without a valid reply (no answer, an error, a malformed reply) keeps
+    its last confirmed version and is sent the Δs since then (it skips those it already
+    applied); a replica checksum or version mismatch, or a node that lost its state,
+    gets the full model (counted in ``checksum-mismatches`` / ``state-resets``).
 
     Examples
     --------
@@ -175,6 +191,8 @@ class DistributedLion(ServerModelStrategy):
         momentum_sync_every: int = 0,
         momentum_sync_layers: Sequence[str] = (),
         init_seed: int | None = None,
+        sample_seed: int = 0,
+        state_key: str = "",
     ) -> None:
         if aggregation not in ("vote", "mean"):
             raise ValueError(f"aggregation must be 'vote' or 'mean', got {aggregation!r}")
@@ -194,6 +212,7 @@ class DistributedLion(ServerModelStrategy):
             min_train_nodes=min_train_nodes,
             min_available_nodes=min_available_nodes,
             min_replies=min_replies,
+            sample_seed=sample_seed,
         )
         check_common_args(
             lr=lr,
@@ -220,17 +239,20 @@ class DistributedLion(ServerModelStrategy):
         self.momentum_sync_every = momentum_sync_every
         self.momentum_sync_layers = tuple(momentum_sync_layers)
         self.init_seed = init_seed
+        self.state_key = state_key
+        self.checkpoint_round = 0  # the latest checkpoint's round (clients keep their state as of it)
 
         # Global model and its bookkeeping, set from the initial arrays in round 1.
         self.version = 0
         self._history: deque[_Broadcast] = deque()
-        self._node_version: dict[int, int] = {}
+        self._version_of: dict[int, int] = {}  # partition id → version of its replica (last valid reply)
         self._round: _Round | None = None
         self._server_error: torch.Tensor | None = None  # error feedback of a quantized broadcast
         self._momentum_avg: torch.Tensor | None = None  # to send in the next round
         self._mask: torch.Tensor | None = None  # parameters whose momentum is synchronized
-        self._seed_failed: set[int] = set()  # nodes whose x₀ from the seed did not match
+        self._seed_failed: set[int] = set()  # partitions whose x₀ from the seed did not match
         self._x0_checksum = 0
+        self._state_resets = 0  # nodes found without their state since the last round
         self.history: list[dict[str, Any]] = []  # one dict of metrics per aggregated round
 
     # ------------------------------------------------------------------ summary
@@ -284,7 +306,7 @@ class DistributedLion(ServerModelStrategy):
         if self.x is None:
             self._init_model(arrays)
         assert self.x is not None
-        node_ids = self._sample(grid)
+        node_ids = self._sample(grid, server_round)
         rnd = _Round(server_round, self.version, checksum(self.x))
         rnd.momentum_sync = bool(self.momentum_sync_every) and server_round % self.momentum_sync_every == 0
         self._round = rnd
@@ -319,7 +341,33 @@ class DistributedLion(ServerModelStrategy):
             cfg["momentum-sync"] = 1
         if self.momentum_sync_every and self.momentum_sync_layers:
             cfg["momentum-sync-layers"] = ",".join(self.momentum_sync_layers)
+        if self.state_key:
+            cfg.update(self._hello_config(server_round))
+            cfg["keep-round"] = self.checkpoint_round
         return cfg
+
+    def _hello_config(self, server_round: int) -> ConfigRecord:
+        """With state files: the run's key and the round whose end state a node starts from."""
+        if not self.state_key:
+            return ConfigRecord()
+        return ConfigRecord({"state-key": self.state_key, "state-round": server_round - 1})
+
+    def _on_new_node(self, pid: int, node_id: int, version: int, previous: int | None) -> None:
+        """Keep the partition's version if the node can start from it; else it gets the full model."""
+        super()._on_new_node(pid, node_id, version, previous)
+        known = self._version_of.get(pid)
+        if known is None or known <= version <= self.version:
+            return  # a new partition (full model), or a node that holds its replica (Δs since `known`)
+        self._version_of.pop(pid)
+        self._state_resets += 1
+        log(
+            WARNING,
+            "partition %d (node %d) %s: it gets the full model%s",
+            pid,
+            node_id,
+            "has no state (a restarted SuperNode?)" if version < 0 else f"is at version {version}, not {known}",
+            " and starts a fresh momentum" if version < 0 else "",
+        )
 
     def _content_for(
         self, node_id: int, server_round: int, config: ConfigRecord, rnd: _Round
@@ -327,8 +375,9 @@ class DistributedLion(ServerModelStrategy):
         """The message content for one node, its kind, and its payload length in bytes."""
         assert self.x is not None
         cfg = self._round_config(server_round, config, rnd)
-        have = self._node_version.get(node_id)
-        if have is None and self.init_seed is not None and node_id not in self._seed_failed:
+        pid = self.partition_of(node_id)
+        have = self._version_of.get(pid)
+        if have is None and self.init_seed is not None and pid not in self._seed_failed:
             if self.version == 0 or self._chain_since(0) is not None:  # x₀ from the seed, then the Δs
                 have = 0
                 rnd.seeded.add(node_id)
@@ -344,6 +393,7 @@ class DistributedLion(ServerModelStrategy):
             cfg.update({"kind": "none", "base-version": have})
             return RecordDict({CONFIG: cfg}), "none", 0
         if chain is not None:
+            rnd.chain_lengths[node_id] = len(chain)
             payload = b"".join(b.payload for b in chain)
             cfg.update(
                 {
@@ -399,26 +449,27 @@ class DistributedLion(ServerModelStrategy):
             got = sorted(record.keys()) if isinstance(record, ArrayRecord) else type(record).__name__
             raise RejectedReply(f"'{DELTA}' must be an ArrayRecord holding {sorted(expected)}, got {got}")
         d = self.num_parameters
+        floats = {}
         for name, (stype, dtype, nbytes) in expected.items():
             arr = record[name]
-            if arr.stype != stype or arr.dtype != dtype:
-                raise RejectedReply(
-                    f"Array {name!r} has stype {arr.stype!r} dtype {arr.dtype!r}, expected {stype!r} {dtype!r}"
-                )
-            shape = (nbytes // 4,) if dtype == "float32" else (d,)
-            if tuple(arr.shape) != shape:
-                raise RejectedReply(f"Array {name!r} shape {tuple(arr.shape)}, expected {shape}")
-            if dtype != "float32" and len(arr.data) != nbytes:  # float Arrays carry a numpy header
-                raise RejectedReply(f"Array {name!r} has {len(arr.data)} bytes, expected {nbytes} for d={d}")
-        floats = {}
-        for name in ("scales", "momentum"):
-            if name in expected:
-                a = torch.from_numpy(record[name].numpy().copy())
+            if not isinstance(arr, Array):
+                raise RejectedReply(f"{name!r} is a {type(arr).__name__}, expected an Array")
+            if dtype == "float32":  # scales and momenta: exact shape and size, finite
+                a = torch.from_numpy(float_array(arr, (nbytes // 4,), name).copy())
                 if not bool(torch.isfinite(a).all()) or (name == "scales" and bool((a < 0).any())):
                     raise RejectedReply(
                         f"Array {name!r} has non-finite{' or negative' if name == 'scales' else ''} values"
                     )
                 floats[name] = a
+                continue
+            if arr.stype != stype or arr.dtype != dtype:
+                raise RejectedReply(
+                    f"Array {name!r} has stype {arr.stype!r} dtype {arr.dtype!r}, expected {stype!r} {dtype!r}"
+                )
+            if tuple(arr.shape) != (d,):
+                raise RejectedReply(f"Array {name!r} shape {tuple(arr.shape)}, expected {(d,)}")
+            if len(arr.data) != nbytes:
+                raise RejectedReply(f"Array {name!r} has {len(arr.data)} bytes, expected {nbytes} for d={d}")
         main = record["levels" if self.upload == "sum" else "signs"]
         levels = None
         if self.upload == "sum":
@@ -428,11 +479,15 @@ class DistributedLion(ServerModelStrategy):
                 raise RejectedReply(f"Array 'levels': {err}") from err
         values = read_metrics(content, METRICS, REPLY_METRICS)
         if values["version"] != rnd.base_version:
-            raise RejectedReply(f"replica at version {values['version']}, expected {rnd.base_version}")
+            raise RejectedReply(
+                f"replica at version {values['version']}, expected {rnd.base_version}: full resync next round",
+                resync=True,
+            )
         if values["checksum"] != rnd.base_checksum:
             raise RejectedReply(
                 f"replica checksum {values['checksum']} differs from the server's {rnd.base_checksum}: "
-                "the node will be sent the full model"
+                "full resync next round",
+                resync=True,
             )
         return _Reply(node_id, main.data, levels, floats.get("scales"), floats.get("momentum"), values)
 
@@ -485,29 +540,41 @@ class DistributedLion(ServerModelStrategy):
             raise RuntimeError(f"aggregate_train({server_round}) without configure_train for that round")
         d = self.num_parameters
         valid: list[_Reply] = []
-        bytes_up = bytes_up_fp32 = rejected = 0
+        bytes_up = bytes_up_fp32 = rejected = mismatches = 0
+        answered: set[int] = set()
         for msg in replies:
             node_id = msg.metadata.src_node_id
+            pid = self.partition_of(node_id)
             size = message_bytes(msg)
             bytes_up += size
             try:
+                if node_id in answered:
+                    raise RejectedReply("a second reply from this node in this round")
                 reply = self._check_reply(msg, rnd)
             except RejectedReply as err:
                 rejected += 1
                 bytes_up_fp32 += size
-                if node_id in rnd.seeded and msg.has_error() and SEED_MISMATCH in msg.error.reason:
-                    self._seed_failed.add(node_id)  # send this node the full model from now on
-                log(WARNING, "round %d: rejected reply from node %d: %s", server_round, node_id, err)
+                if node_id not in rnd.sent or node_id in answered:
+                    pass  # a stray reply says nothing about the node's replica
+                elif err.resync or (msg.has_error() and CLIENT_STATE_ERROR in msg.error.reason):
+                    self._version_of.pop(pid, None)  # its replica is unknown: the full model next time
+                    mismatches += int(err.resync)
+                    if msg.has_error() and node_id in rnd.seeded and SEED_MISMATCH in msg.error.reason:
+                        self._seed_failed.add(pid)  # the full model from now on
+                answered.add(node_id)
+                log(
+                    WARNING, "round %d: rejected reply from node %d (partition %d): %s", server_round, node_id, pid, err
+                )
                 continue
+            answered.add(node_id)
             bytes_up_fp32 += size - len(reply.data) + 4 * d
             valid.append(reply)
         valid.sort(key=lambda r: r.node_id)  # a fixed order: float sums (ef-sign, momenta) are reproducible
-        valid_nodes = {r.node_id for r in valid}
-        for node_id in rnd.sent:  # a node without a valid reply is in an unknown state: full model next time
-            if node_id in valid_nodes:
-                self._node_version[node_id] = rnd.base_version
-            else:
-                self._node_version.pop(node_id, None)
+        for r in valid:  # confirmed at the round's base version; the others keep their last confirmed one
+            self._version_of[self.partition_of(r.node_id)] = rnd.base_version
+        for node_id in set(rnd.sent) - answered:
+            pid = self.partition_of(node_id)
+            log(WARNING, "round %d: no reply from node %d (partition %d)", server_round, node_id, pid)
 
         n = len(valid)
         tie_fraction = agreement = 0.0
@@ -546,8 +613,12 @@ class DistributedLion(ServerModelStrategy):
         metrics = {
             "num-replies": n,
             "num-rejected": rejected,
+            "num-failed": len(set(rnd.sent) - answered),
             "num-sampled": len(rnd.sent),
             "full-syncs": sum(1 for kind in rnd.sent.values() if kind == "full"),
+            "catch-ups": sum(1 for b in rnd.chain_lengths.values() if b > 1),
+            "checksum-mismatches": mismatches,
+            "state-resets": self._state_resets,
             "applied": int(applied),
             "version": self.version,
             "train-loss": sum(v * e for v, e in zip(losses, examples, strict=True)) / total if total else math.nan,
@@ -561,7 +632,38 @@ class DistributedLion(ServerModelStrategy):
         }
         self.history.append({"round": server_round, **metrics})
         self._round = None
+        self._state_resets = 0
         return self.arrays(), MetricRecord(metrics)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """x, its version, the kept Δs, each partition's version and the error/momentum buffers."""
+        return super().state_dict() | {
+            "version": self.version,
+            "broadcasts": [vars(b).copy() for b in self._history],
+            "version_of": dict(self._version_of),
+            "server_error": None if self._server_error is None else self._server_error.clone(),
+            "momentum_avg": None if self._momentum_avg is None else self._momentum_avg.clone(),
+            "seed_failed": sorted(self._seed_failed),
+            "x0_checksum": self._x0_checksum,
+            "state_key": self.state_key,
+            "history": [dict(h) for h in self.history],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Go on from :meth:`state_dict`: every node says hello again and is sent what it lacks."""
+        super().load_state_dict(state)
+        self._mask = layer_mask(self._layout, self.momentum_sync_layers)
+        self.version = int(state["version"])
+        self._history = deque(_Broadcast(**b) for b in state["broadcasts"])
+        self._version_of = {int(p): int(v) for p, v in state["version_of"].items()}
+        self._server_error = state["server_error"]
+        self._momentum_avg = state["momentum_avg"]
+        self._seed_failed = set(state["seed_failed"])
+        self._x0_checksum = int(state["x0_checksum"])
+        self.state_key = str(state["state_key"])
+        self.history = [dict(h) for h in state["history"]]
+        self._round = None
 
     def _remember(self, broadcast: _Broadcast) -> None:
         """Keep encoded Δs for lagging clients, up to ``max_history_bytes``."""

@@ -28,6 +28,7 @@ from ..protocol import (
     TERNGRAD_STYPE,
     RejectedReply,
     check_envelope,
+    float_array,
     read_metrics,
 )
 from .common import ServerModelStrategy, check_common_args
@@ -76,6 +77,8 @@ class GlobalOptimizer(ServerModelStrategy):
         Wait until this many nodes are connected before sampling.
     min_replies : int (default: 1)
         A round with fewer valid replies applies no update.
+    sample_seed : int (default: 0)
+        Seed of the partition sampling (round t samples with ``default_rng([seed, t])``).
 
     Examples
     --------
@@ -103,6 +106,7 @@ class GlobalOptimizer(ServerModelStrategy):
         min_train_nodes: int = 2,
         min_available_nodes: int = 2,
         min_replies: int = 1,
+        sample_seed: int = 0,
     ) -> None:
         if optimizer not in ("lion", "adamw", "sgd"):
             raise ValueError(f"optimizer must be 'lion', 'adamw' or 'sgd', got {optimizer!r}")
@@ -113,6 +117,7 @@ class GlobalOptimizer(ServerModelStrategy):
             min_train_nodes=min_train_nodes,
             min_available_nodes=min_available_nodes,
             min_replies=min_replies,
+            sample_seed=sample_seed,
         )
         check_common_args(
             lr=lr,
@@ -173,7 +178,7 @@ class GlobalOptimizer(ServerModelStrategy):
         if self.x is None:
             self._init_model(arrays)
         assert self.x is not None
-        node_ids = self._sample(grid)
+        node_ids = self._sample(grid, server_round)
         cfg = ConfigRecord(dict(config))
         cfg.update(
             {"server-round": server_round, "encoding": self.encoding, "layout": layout_fingerprint(self._layout)}
@@ -195,12 +200,7 @@ class GlobalOptimizer(ServerModelStrategy):
         arr = record["payload"]
         d = self.num_parameters
         if self.encoding == "fp32":
-            if arr.stype != "numpy.ndarray" or arr.dtype != "float32" or tuple(arr.shape) != (d,):
-                raise RejectedReply(f"gradient is {arr.stype} {arr.dtype} {tuple(arr.shape)}, expected float32 ({d},)")
-            try:
-                g = torch.from_numpy(arr.numpy().copy())
-            except Exception as err:
-                raise RejectedReply(f"gradient does not decode: {err}") from err
+            g = torch.from_numpy(float_array(arr, (d,), "payload").copy())
         else:
             if arr.stype != TERNGRAD_STYPE or tuple(arr.shape) != (d,):
                 raise RejectedReply(f"payload is {arr.stype!r} {tuple(arr.shape)}, expected {TERNGRAD_STYPE!r} ({d},)")
@@ -229,12 +229,24 @@ class GlobalOptimizer(ServerModelStrategy):
         total: torch.Tensor | None = None
         n = rejected = 0
         losses, examples = [], []
+        answered: set[int] = set()
         for msg in replies:
+            node_id = msg.metadata.src_node_id
             try:
+                if node_id in answered:
+                    raise RejectedReply("a second reply from this node in this round")
+                answered.add(node_id)
                 g, values = self._check_reply(msg, server_round)
             except RejectedReply as err:
                 rejected += 1
-                log(WARNING, "round %d: rejected reply from node %d: %s", server_round, msg.metadata.src_node_id, err)
+                log(
+                    WARNING,
+                    "round %d: rejected reply from node %d (partition %d): %s",
+                    server_round,
+                    node_id,
+                    self.partition_of(node_id),
+                    err,
+                )
                 continue
             total = g if total is None else total.add_(g)
             n += 1
@@ -259,6 +271,27 @@ class GlobalOptimizer(ServerModelStrategy):
         self.history.append({"round": server_round, **metrics})
         self._sent, self._open_round = {}, 0
         return self.arrays(), MetricRecord(metrics)
+
+    def state_dict(self) -> dict[str, Any]:
+        """x, the optimizer's state and the metrics so far."""
+        return super().state_dict() | {
+            "m": None if self._m is None else self._m.clone(),
+            "torch_opt": None if self._torch_opt is None else self._torch_opt.state_dict(),
+            "history": [dict(h) for h in self.history],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Go on from :meth:`state_dict`."""
+        super().load_state_dict(state)
+        x = self.x
+        assert x is not None
+        self._init_model(self.arrays())  # the optimizer objects, on a fresh x …
+        self.x.copy_(x)  # … that holds the checkpoint's values (the optimizer shares its storage)
+        if state["m"] is not None:
+            self._m = state["m"].clone()
+        if state["torch_opt"] is not None and self._torch_opt is not None:
+            self._torch_opt.load_state_dict(state["torch_opt"])
+        self.history = [dict(h) for h in state["history"]]
 
     def _step(self, g: torch.Tensor) -> None:
         assert self.x is not None

@@ -40,6 +40,7 @@ __all__ = [
     "target_table",
     "tuning_table",
     "write_report",
+    "write_section",
 ]
 
 BEGIN, END = "<!-- BEGIN GENERATED -->", "<!-- END GENERATED -->"
@@ -289,6 +290,12 @@ def write_report(
         parts.append(tuning_table(load_cells(tuning_file)))
     parts.append(end)
     generated = "\n".join(parts)
+    write_section(out, begin, end, generated)
+    return generated
+
+
+def write_section(out: Path, begin: str, end: str, generated: str) -> None:
+    """Put ``generated`` (which starts with ``begin`` and ends with ``end``) into ``out``, replacing the old one."""
     text = out.read_text() if out.is_file() else "# Results\n\n" + begin + "\n" + end + "\n"
     if begin in text and end in text:
         text = text[: text.index(begin)] + generated + text[text.index(end) + len(end) :]
@@ -296,7 +303,6 @@ def write_report(
         text = text.rstrip() + "\n\n" + generated + "\n"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
-    return generated
 
 
 def main(argv: list[str] | None = None) -> int:
