@@ -349,3 +349,17 @@ def test_a_node_under_a_new_id_keeps_its_partitions_version_only_if_it_holds_it(
     assert strategy.partition_of(19) == 9 and strategy.partition_of(9) == -1
     assert msgs[19].content["dlion.config"]["kind"] == kind
     assert msgs[4].content["dlion.config"]["kind"] == "deltas"
+
+
+def test_gradient_baseline_resumes_exactly_without_client_state(tmp_path: Path) -> None:
+    # Prepare: global AdamW keeps its optimizer state on the server; its clients are stateless
+    cfg = {**RESUME_CFG, "strategy": "global-adamw", "lr": 0.001, "weight-decay": 0.01, "num-server-rounds": 5}
+    reference = run_federation(LocalGrid(client_app, 4, run_config=cfg), {**cfg, "results-dir": str(tmp_path / "a")})
+    first = {**cfg, "num-server-rounds": 3, "results-dir": str(tmp_path / "b")}
+    run_federation(LocalGrid(client_app, 4, run_config=first), first)
+    # Execute: resume after round 3 (a new grid, new node ids) and run to round 5
+    more = {**cfg, "resume": str(tmp_path / "b" / "checkpoint.pt"), "results-dir": str(tmp_path / "b")}
+    resumed = run_federation(LocalGrid(client_app, 4, run_config=more, first_node_id=9000), more)
+    # Assert: AdamW's moments and step count came back with x
+    for name, arr in reference.arrays.items():
+        np.testing.assert_array_equal(resumed.arrays[name].numpy(), arr.numpy(), err_msg=name)
