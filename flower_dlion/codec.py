@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -34,14 +35,17 @@ __all__ = [
     "TRIT5",
     "as_uint8",
     "count_ones",
+    "count_planes",
     "decode_levels",
     "encode_levels",
     "encoded_size",
     "level_format",
     "levels_to_values",
+    "majority_masks",
     "pack_bits",
     "pack_signs",
     "packed_size",
+    "planes_to_counts",
     "unpack_bits",
     "unpack_signs",
 ]
@@ -102,9 +106,18 @@ def pack_signs(v: torch.Tensor, generator: torch.Generator | None = None) -> tor
 
     Exact zeros have no 1-bit code. Sending them all as one fixed side would push every
     such parameter the same way each round, so each zero is sent as a fair coin flip
-    drawn from ``generator`` (unbiased; seed it for reproducible runs).
+    drawn from ``generator`` (unbiased; seed it for reproducible runs). On the CPU the
+    signs are packed a cache-sized chunk at a time on torch's threads (one read of ``v``);
+    elsewhere with tensor operations on ``v``'s device.
     """
     v = v.reshape(-1)
+    if v.device.type == "cpu" and v.dtype == torch.float32:
+        packed, has_zeros = _pack_positive_cpu(v.numpy())  # one pass, in cache-sized chunks, on every core
+        if has_zeros:  # set a coin flip's bit at each exact zero
+            where = np.flatnonzero(v.numpy() == 0)
+            coin = torch.randint(0, 2, (where.size,), generator=generator, dtype=torch.uint8).numpy()
+            np.bitwise_or.at(packed, where >> 3, (coin << (7 - (where & 7))).astype(np.uint8))
+        return torch.from_numpy(packed)
     bits = v > 0
     zeros = v == 0
     if bool(zeros.any()):
@@ -113,26 +126,172 @@ def pack_signs(v: torch.Tensor, generator: torch.Generator | None = None) -> tor
     return pack_bits(bits)
 
 
+_CHUNK = 1 << 16  # values per chunk (a multiple of 8: chunks start on byte boundaries)
+_POOLS: dict[int, ThreadPoolExecutor] = {}  # worker count → pool
+
+
+def _pack_positive_cpu(v: np.ndarray) -> tuple[np.ndarray, bool]:
+    """Bits of ``v > 0`` packed, and whether ``v`` has exact zeros; chunked, on torch's CPU threads.
+
+    Each chunk (256 kB of float32) is compared and packed while it is in cache, so the
+    vector is read from memory once; numpy's loops release the GIL, so the threads run
+    in parallel.
+    """
+    d = v.size
+    out = np.empty(packed_size(d), dtype=np.uint8)
+    starts = range(0, d, _CHUNK)
+    workers = max(1, min(torch.get_num_threads(), len(starts)))
+
+    def work(part: range) -> bool:
+        bits, other = np.empty(_CHUNK, dtype=np.bool_), np.empty(_CHUNK, dtype=np.bool_)
+        zeros = False
+        for s in part:
+            c = v[s : s + _CHUNK]
+            b, o = bits[: c.size], other[: c.size]
+            np.greater(c, 0, out=b)  # the sign bit: 1 for v > 0
+            out[s // 8 : s // 8 + (c.size + 7) // 8] = np.packbits(b, bitorder="big")
+            if not zeros:  # v ≠ 0 ⇔ v > 0 or v < 0 (two compares in cache beat a count over floats)
+                np.less(c, 0, out=o)
+                zeros = not np.logical_or(b, o, out=o).all()
+        return zeros
+
+    parts = [starts[i::workers] for i in range(workers)]  # interleaved: equal shares of the chunks
+    if workers == 1:
+        return out, work(parts[0])
+    if workers not in _POOLS:
+        _POOLS[workers] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pack")
+    return out, any(_POOLS[workers].map(work, parts))
+
+
 def unpack_signs(packed: torch.Tensor | bytes | np.ndarray, d: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Inverse of :func:`pack_signs`: a tensor of ±1 of length ``d``."""
     return unpack_bits(packed, d).to(dtype) * 2 - 1
 
 
 def count_ones(payloads: Sequence[torch.Tensor | bytes | np.ndarray], d: int) -> torch.Tensor:
-    """Per-coordinate number of 1 bits (votes for +1) over packed sign payloads.
+    """Per-coordinate number of 1 bits (votes for +1) over packed sign payloads (int32).
 
-    Memory is O(d) besides the payloads: one counter vector, never an n × d array.
-    The vote sum is ``S = 2·count_ones(...) − n``.
+    Counted bit-sliced (:func:`count_planes`), then the B = ⌊log₂ n⌋ + 1 count planes are
+    unpacked once: memory is O(d) besides the payloads, never an n × d array. The vote sum
+    is ``S = 2·count_ones(...) − n``.
+    """
+    if not payloads:
+        return torch.zeros(d, dtype=torch.int32)
+    return planes_to_counts(count_planes(payloads, d), d)
+
+
+# ---------------------------------------------------------------- bit-sliced vote counting
+def _words(packed: torch.Tensor | bytes | np.ndarray, nbytes: int, nwords: int) -> torch.Tensor:
+    """Packed bytes as ``nwords`` int64 words (zero-padded to a whole word: a copy only then)."""
+    p = as_uint8(packed)
+    if p.numel() != nbytes:
+        raise ValueError(f"expected {nbytes} packed bytes, got {p.numel()}")
+    if nbytes % 8 or p.data_ptr() % 8:
+        q = p.new_zeros(8 * nwords)
+        q[:nbytes] = p
+        p = q
+    return p.view(torch.int64)
+
+
+def count_planes(
+    payloads: Sequence[torch.Tensor | bytes | np.ndarray], d: int, *, chunk_words: int = 1 << 16
+) -> torch.Tensor:
+    """Per-coordinate count of 1 bits over packed payloads, bit-sliced: ``(B, ⌈d/8⌉)`` uint8.
+
+    Plane j holds bit j of each coordinate's count, packed like the payloads, so the
+    planes *are* the ``planesB`` encoding of the counts (B = ⌊log₂ n⌋ + 1 bit planes).
+    The payloads are never unpacked: 64 coordinates are counted at once with carry-save
+    adders over int64 words (the counter plane of weight 2ᵏ and two new planes of that
+    weight → the new counter plane and one carry plane of weight 2ᵏ⁺¹; five bitwise
+    operations), a chunk of words at a time so that the counters stay in cache. Extra
+    memory is O(B·d/8) for the planes plus O(B·chunk) — never n × d.
     """
     n = len(payloads)
-    dtype = torch.int16 if n < 2**15 else torch.int32
-    counts = None
-    for p in payloads:
-        bits = unpack_bits(p, d)
-        counts = bits.to(dtype) if counts is None else counts.add_(bits)
-    if counts is None:
-        return torch.zeros(d, dtype=torch.int32)
-    return counts.to(torch.int32)
+    nbytes = packed_size(d)
+    nwords = (nbytes + 7) // 8
+    num_planes = max(1, n.bit_length())
+    device = as_uint8(payloads[0]).device if n else torch.device("cpu")
+    planes = torch.zeros(num_planes + 1, nwords, dtype=torch.int64, device=device)  # +1: an always-zero spill
+    words = [_words(p, nbytes, nwords) for p in payloads]
+    if device.type != "cpu":
+        chunk_words = max(nwords, 1)  # a GPU gains nothing from cache-sized chunks, only launches
+    size = min(chunk_words, max(nwords, 1))
+    spare = [torch.empty(size, dtype=torch.int64, device=device) for _ in range(2 * num_planes + 8)]
+    for start in range(0, nwords, chunk_words):
+        stop = min(start + chunk_words, nwords)
+        counter = _CarrySaveCounter(planes[:, start:stop], [t[: stop - start] for t in spare])
+        for w in words:
+            counter.add(0, w[start:stop])
+        counter.flush()
+    return planes[:num_planes].view(torch.uint8)[:, :nbytes]
+
+
+class _CarrySaveCounter:
+    """Bit-sliced counters over one chunk of words: ``acc[k]`` is the plane of weight 2ᵏ."""
+
+    def __init__(self, acc: torch.Tensor, spare: list[torch.Tensor]) -> None:
+        self.acc = acc  # (B + 1, chunk) int64 view into the result
+        self.free = spare  # scratch planes
+        self.owned = {t.data_ptr() for t in spare}
+        self.pending: list[torch.Tensor | None] = [None] * (acc.shape[0] + 1)
+
+    def _release(self, *planes: torch.Tensor) -> None:
+        self.free.extend(t for t in planes if t.data_ptr() in self.owned)  # never a payload's memory
+
+    def add(self, k: int, x: torch.Tensor) -> None:
+        """Add plane ``x`` of weight 2ᵏ; two pending planes go through a carry-save adder."""
+        y = self.pending[k]
+        if y is None:
+            self.pending[k] = x
+            return
+        self.pending[k] = None
+        acc = self.acc[k]
+        u, t, carry = self.free.pop(), self.free.pop(), self.free.pop()
+        torch.bitwise_xor(x, y, out=u)  # u = x ⊕ y
+        torch.bitwise_and(x, y, out=carry)
+        torch.bitwise_and(acc, u, out=t)
+        carry.bitwise_or_(t)  # carry = majority(acc, x, y), weight 2ᵏ⁺¹
+        acc.bitwise_xor_(u)  # acc ← acc ⊕ x ⊕ y
+        self._release(u, t, x, y)
+        self.add(k + 1, carry)
+
+    def flush(self) -> None:
+        """Half-add the plane left pending at each weight (its carry moves up)."""
+        for k in range(self.acc.shape[0]):
+            y = self.pending[k]
+            if y is not None:
+                self.pending[k] = None
+                carry = self.free.pop()
+                torch.bitwise_and(self.acc[k], y, out=carry)
+                self.acc[k].bitwise_xor_(y)
+                self._release(y)
+                self.add(k + 1, carry)
+
+
+def planes_to_counts(planes: torch.Tensor, d: int) -> torch.Tensor:
+    """The per-coordinate counts (int32) from :func:`count_planes`."""
+    counts = torch.zeros(d, dtype=torch.int32, device=planes.device)
+    for j in range(planes.shape[0]):
+        counts |= unpack_bits(planes[j].contiguous(), d).to(torch.int32) << j
+    return counts
+
+
+def majority_masks(planes: torch.Tensor, n: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed masks (gt, tie) of count > n/2 and count = n/2, compared bit-sliced from the top plane down."""
+    threshold = n // 2  # count > n/2 ⇔ count > ⌊n/2⌋ ; a tie needs n even and count = n/2
+    nbytes = packed_size(d)
+    gt = torch.zeros(nbytes, dtype=torch.uint8, device=planes.device)
+    eq = torch.full((nbytes,), 255, dtype=torch.uint8, device=planes.device)
+    for j in reversed(range(planes.shape[0])):
+        bit = planes[j]
+        if (threshold >> j) & 1:
+            eq &= bit  # equal so far only if this bit is 1 too
+        else:
+            gt |= eq & bit  # first bit where count has 1 and the threshold 0
+            eq &= ~bit
+    if n % 2:
+        eq.zero_()  # no ties with an odd number of voters
+    return gt, eq
 
 
 def level_format(num_levels: int) -> tuple[str, int]:

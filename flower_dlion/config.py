@@ -21,6 +21,7 @@ DEFAULTS: dict[str, Any] = {
     "beta2": 0.99,
     "momentum": 0.9,
     "local-epochs": 1,
+    "local-batches": 0,
     "local-steps": 1,
     "accumulate": 1,
     "upload": "sign",
@@ -48,6 +49,7 @@ DEFAULTS: dict[str, Any] = {
     "checkpoint-every": 0,
     "resume": "",
     "client-state-dir": "",
+    "momentum-dtype": "float32",
 }
 
 STRATEGIES = ("dlion-vote", "dlion-mean", "signsgd-vote", "global-lion", "global-adamw", "terngrad", "fedavg")
@@ -59,12 +61,14 @@ _CHOICES = {
     "upload": ("sign", "sum", "ef-sign"),
     "init": ("full", "seed"),
     "byzantine-mode": ("flip", "random"),
+    "momentum-dtype": ("float32", "bfloat16"),
 }
 
 DLION_STRATEGIES = ("dlion-vote", "dlion-mean", "signsgd-vote")
 # Keys that only the Distributed Lion family reads; their defaults turn them off.
 DLION_ONLY = (
     "client-state-dir",
+    "momentum-dtype",
     "local-steps",
     "accumulate",
     "upload",
@@ -133,6 +137,10 @@ def read_config(run_config: Mapping[str, Any] | None) -> dict[str, Any]:
     for key in ("round-timeout", "byzantine-scale"):
         if not (math.isfinite(cfg[key]) and cfg[key] > 0):
             raise ValueError(f"run-config '{key}' must be finite and > 0, got {cfg[key]}")
+    if cfg["local-batches"] < 0:
+        raise ValueError(f"run-config 'local-batches' must be >= 0 (0: whole epochs), got {cfg['local-batches']}")
+    if cfg["local-batches"] and cfg["strategy"] != "fedavg":
+        raise ValueError(f"run-config 'local-batches' applies to 'fedavg' only, not to {cfg['strategy']!r}")
     if cfg["checkpoint-every"] < 0:
         raise ValueError(f"run-config 'checkpoint-every' must be >= 0 (0: never), got {cfg['checkpoint-every']}")
     if cfg["byzantine-fraction"] and cfg["strategy"] not in (*DLION_STRATEGIES, "fedavg"):

@@ -96,6 +96,7 @@ def train_config(cfg: dict[str, Any]) -> ConfigRecord:
                 "momentum": cfg["momentum"],
                 "weight-decay": cfg["weight-decay"],
                 "local-epochs": cfg["local-epochs"],
+                "local-batches": cfg["local-batches"],
             }
         )
     return ConfigRecord(values)

@@ -105,6 +105,47 @@ def test_count_ones_hand_computed() -> None:
     assert codec.count_ones([], 4).tolist() == [0, 0, 0, 0]
 
 
+def test_count_planes_hand_computed_are_the_bits_of_the_counts() -> None:
+    # counts [2, 1, 0, 2, 3, 1, 2, 0, 3] (as above): bit 0 = [0,1,0,0,1,1,0,0,1], bit 1 = [1,0,0,1,1,0,1,0,1]
+    a = codec.pack_signs(torch.tensor([1.0, 1, -1, -1, 1, -1, 1, -1, 1]))
+    b = codec.pack_signs(torch.tensor([1.0, -1, -1, 1, 1, -1, -1, -1, 1]))
+    c = codec.pack_signs(torch.tensor([-1.0, -1, -1, 1, 1, 1, 1, -1, 1]))
+    planes = codec.count_planes([a, b, c], 9)
+    assert planes.shape == (2, 2)
+    assert codec.unpack_bits(planes[0].contiguous(), 9).int().tolist() == [0, 1, 0, 0, 1, 1, 0, 0, 1]
+    assert codec.unpack_bits(planes[1].contiguous(), 9).int().tolist() == [1, 0, 0, 1, 1, 0, 1, 0, 1]
+    # with n = 3 (4 levels) the planes are exactly the wire encoding of the counts
+    counts = torch.tensor([2, 1, 0, 2, 3, 1, 2, 0, 3])
+    assert torch.equal(planes.reshape(-1), codec.encode_levels(counts, 4))
+    gt, tie = codec.majority_masks(planes, 3, 9)  # count > 3/2: the vote's +1
+    assert codec.unpack_bits(gt, 9).int().tolist() == [1, 0, 0, 1, 1, 0, 1, 0, 1]
+    assert not codec.unpack_bits(tie, 9).any()  # no ties between 3 voters
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    n=st.integers(1, 70),
+    d=st.integers(1, 3000),
+    chunk=st.sampled_from([1, 3, 64, 1 << 16]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_bit_sliced_counts_and_majority_equal_the_unpacked_sum(n: int, d: int, chunk: int, seed: int) -> None:
+    # Prepare: n random bit vectors (payloads as bytes, tensors and arrays)
+    rng = np.random.default_rng(seed)
+    bits = rng.integers(0, 2, size=(n, d)).astype(bool)
+    payloads = [np.packbits(b, bitorder="big") for b in bits]
+    payloads = [p.tobytes() if i % 3 == 0 else torch.from_numpy(p) if i % 3 == 1 else p for i, p in enumerate(payloads)]
+    # Execute
+    planes = codec.count_planes(payloads, d, chunk_words=chunk)
+    gt, tie = codec.majority_masks(planes, n, d)
+    # Assert: the reference is the n × d sum the bit-sliced counter never builds
+    expected = bits.sum(axis=0)
+    assert planes.shape == (n.bit_length(), (d + 7) // 8)
+    np.testing.assert_array_equal(codec.planes_to_counts(planes, d).numpy(), expected)
+    np.testing.assert_array_equal(codec.unpack_bits(gt, d).numpy(), 2 * expected > n)
+    np.testing.assert_array_equal(codec.unpack_bits(tie, d).numpy(), 2 * expected == n)
+
+
 def test_codec_lion_and_quantizers_import_no_flwr() -> None:
     import subprocess
     import sys

@@ -363,3 +363,21 @@ def test_gradient_baseline_resumes_exactly_without_client_state(tmp_path: Path) 
     # Assert: AdamW's moments and step count came back with x
     for name, arr in reference.arrays.items():
         np.testing.assert_array_equal(resumed.arrays[name].numpy(), arr.numpy(), err_msg=name)
+
+
+def test_bfloat16_momentum_halves_the_stored_momentum_and_keeps_replicas_exact() -> None:
+    # Prepare: the same federation with float32 and bfloat16 momentum storage
+    sizes = {}
+    for dtype in ("float32", "bfloat16"):
+        grid = LocalGrid(client_app, 2, run_config={**RUN_CONFIG, "momentum-dtype": dtype})
+        strategy = DistributedLion(lr=LR, weight_decay=WD)
+        # Execute
+        run_rounds(strategy, grid, 3)
+        # Assert: m is stored in 2 bytes per value and holds bfloat16 values; replicas stay exact
+        ctx = grid.context(1000)
+        sizes[dtype] = len(ctx.state["dlion.state"]["m"].data)
+        state = load_state(ctx, D, CPU)
+        assert torch.equal(state.m, state.m.to(torch.bfloat16).float()) == (dtype == "bfloat16")
+        for node, x in sync_replicas(strategy, grid, 4).items():
+            assert torch.equal(x, strategy.x), node
+    assert sizes["bfloat16"] < 0.51 * sizes["float32"]

@@ -72,8 +72,9 @@ def test_meter_agrees_with_distributed_lions_own_byte_metrics(fake_data: str) ->
     assert hello.num_replies == 3 and hello.bytes_up < 3 * 500 and hello.bytes_down < 3 * 500
 
 
-def test_fedavg_round_is_the_weighted_mean_of_local_sgd_epochs(fake_data: str) -> None:
-    # Prepare
+@pytest.mark.parametrize("local_batches", [0, 1])
+def test_fedavg_round_is_the_weighted_mean_of_local_sgd_epochs(fake_data: str, local_batches: int) -> None:
+    # Prepare (local_batches = 1: only the first minibatch of each epoch)
     cfg = {
         "strategy": "fedavg",
         "batch-size": 8,
@@ -82,6 +83,7 @@ def test_fedavg_round_is_the_weighted_mean_of_local_sgd_epochs(fake_data: str) -
         "data-dir": fake_data,
         "lr": 0.05,
         "local-epochs": 2,
+        "local-batches": local_batches,
     }
     torch.manual_seed(0)
     model = Net()
@@ -106,14 +108,15 @@ def test_fedavg_round_is_the_weighted_mean_of_local_sgd_epochs(fake_data: str) -
         x, y = to_tensor(ds.x_train[rows]), torch.from_numpy(ds.y_train[rows])
         for _ in range(2):
             order = torch.from_numpy(rng.permutation(rows.size))
-            for s in range(0, rows.size, 8):
+            starts = range(0, rows.size, 8)
+            for s in starts[:local_batches] if local_batches else starts:
                 idx = order[s : s + 8]
                 loss = torch.nn.functional.cross_entropy(local(x[idx]), y[idx])
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
         locals_.append(local.state_dict())
-        sizes.append(rows.size)
+        sizes.append(rows.size if not local_batches else min(8, rows.size))
     got = result.arrays.to_torch_state_dict()
     for name, value in got.items():
         want = sum(sd[name] * n for sd, n in zip(locals_, sizes, strict=True)) / sum(sizes)
@@ -237,3 +240,36 @@ def test_bytes_to_target_table_uses_the_first_evaluation_at_the_target() -> None
     # Assert: target 0.8 (FedAvg's mean final); FedAvg needs (8 + 4)/2 = 6 MB, ef 0.4 MB (1 of 2 seeds) → 15×
     assert "| fedavg | 6.00 [2/2] | 6.00 [2/2] |" in text
     assert "| ef | 0.40 [1/2, 15.0×] | 0.40 [1/2, 15.0×] |" in text
+
+
+def test_time_model_is_the_documented_formula() -> None:
+    from flower_dlion.study.timemodel import modelled_times
+
+    # 2 clients; round 10: 4 s of wall time, 1 s of it the two evaluations; 20 MB down, 2 MB up in all
+    record = {
+        "num_clients": 2,
+        "summary": {"eval_time_s": 1.0},
+        "evals": [
+            {"round": 0, "accuracy": 0.1, "wall_time_s": 0.5, "cum_bytes_down": 0, "cum_bytes_up": 0},
+            {"round": 10, "accuracy": 0.8, "wall_time_s": 4.0, "cum_bytes_down": 20e6, "cum_bytes_up": 2e6},
+        ],
+    }
+    (t0, _), (t10, acc) = modelled_times(record, down_bps=10e6, up_bps=1e6, rtt=0.05)
+    assert t0 == 0.0
+    # (4 − 2·0.5)/2 compute + 8·20e6/(2·10e6) down + 8·2e6/(2·1e6) up + 10·0.05 RTT
+    assert t10 == pytest.approx(1.5 + 8.0 + 8.0 + 0.5) and acc == 0.8
+
+
+def test_robustness_table_groups_by_the_swept_key() -> None:
+    from flower_dlion.study.robustness import robustness_table
+
+    def cell(label: str, f: float, acc: float, seed: int) -> dict:
+        evals = [{"round": 10, "accuracy": acc, "cum_bytes_up": 1e6, "cum_bytes_down": 3e6}]
+        summary = {"final_accuracy": acc}
+        return {"label": label, "run_config": {"fail-fraction": f}, "summary": summary, "evals": evals,
+                "num_clients": 2, "seed": seed}  # fmt: skip
+
+    records = [cell("a", 0.0, 0.8, 0), cell("a", 0.0, 0.9, 1), cell("a", 0.3, 0.7, 0)]
+    table = robustness_table(records, "fail-fraction", ["a"], target=0.75)
+    assert "| method | fail-fraction = 0 | fail-fraction = 0.3 |" in table
+    assert "| a | 0.850 ± 0.071; ≥ 0.75 at round 10, 2.0 MB/client [2/2] | 0.700; never ≥ 0.75 [0/1] |" in table

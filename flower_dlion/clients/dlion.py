@@ -98,20 +98,32 @@ def load_state(context: Context, d: int, device: torch.device) -> ReplicaState |
             raise KeyError(f"arrays {sorted(stored)} lack 'x' or 'm'")
         version = int(meta["version"])
         saved_round = int(meta.get("round", 0))
+        m_bf16 = meta.get("m-dtype", "float32") == "bfloat16"
     except Exception as err:
         raise ClientStateError(f"node {context.node_id}: stored state is incomplete ({err!r})") from err
     bad = {name: a.shape for name, a in stored.items() if a.shape != (d,)}
     if bad:
         raise ClientStateError(f"node {context.node_id}: stored state has shapes {bad}, model has d={d}")
     tensors = {name: torch.from_numpy(a.copy()).to(device) for name, a in stored.items()}
+    if m_bf16:  # stored as the raw 16 bits of bfloat16 (numpy has no bfloat16)
+        tensors["m"] = tensors["m"].view(torch.bfloat16).float()
     return ReplicaState(tensors["x"], tensors["m"], version, tensors.get("e"), saved_round)
 
 
-def save_state(context: Context, state: ReplicaState) -> None:
-    """Store x, m (and e) and the version in ``context.state`` (kept by Flower across rounds)."""
+def save_state(context: Context, state: ReplicaState, momentum_dtype: str = "float32") -> None:
+    """Store x, m (and e) and the version in ``context.state`` (kept by Flower across rounds).
+
+    With ``momentum_dtype="bfloat16"`` m is stored in 2 bytes per value; it must already
+    hold bfloat16-representable values (see :func:`train`), so nothing is lost here.
+    """
     arrays = {"x": state.x, "m": state.m} | ({"e": state.error} if state.error is not None else {})
-    context.state[STATE_ARRAYS] = ArrayRecord({k: Array(v.detach().cpu().numpy()) for k, v in arrays.items()})
-    context.state[STATE_META] = ConfigRecord({"version": state.version, "round": state.round})
+    record = {k: Array(v.detach().cpu().numpy()) for k, v in arrays.items()}
+    if momentum_dtype == "bfloat16":
+        record["m"] = Array(state.m.detach().to(torch.bfloat16).view(torch.int16).cpu().numpy())
+    context.state[STATE_ARRAYS] = ArrayRecord(record)
+    context.state[STATE_META] = ConfigRecord(
+        {"version": state.version, "round": state.round, "m-dtype": momentum_dtype}
+    )
 
 
 # ---------------------------------------------------------------- state files (client-state-dir)
@@ -373,7 +385,9 @@ def train(msg: Message, context: Context) -> Message:
         }
     )
     state.round = server_round
-    save_state(context, state)  # 5. persist for the next round
+    if settings["momentum-dtype"] == "bfloat16":  # m rounded once per round, the same on every path
+        state.m = state.m.to(torch.bfloat16).float()
+    save_state(context, state, settings["momentum-dtype"])  # 5. persist for the next round
     folder = _state_folder(settings, str(cfg.get("state-key", "")), pid)
     if folder is not None:
         _write_state_file(folder, state, int(cfg.get("keep-round", 0)))

@@ -1,7 +1,8 @@
 """The FedAvg client: ``local-epochs`` epochs of SGD on the whole partition, then the model.
 
 Speaks Flower's own ``FedAvg`` messages: receives "arrays" (the global model) and
-"config" (lr, momentum, weight-decay, local-epochs, batch-size, seed, server-round),
+"config" (lr, momentum, weight-decay, local-epochs, local-batches (0: whole epochs; k: only
+the first k minibatches of each epoch), batch-size, seed, server-round),
 replies "arrays" (the local model) and "metrics" (num-examples, train-loss). The
 optimizer (``torch.optim.SGD``) starts fresh every round, as in McMahan et al. (2017).
 
@@ -41,9 +42,11 @@ def train(msg: Message, context: Context) -> Message:
     batch_size = int(cfg["batch-size"])
     model.train()
     total, seen = 0.0, 0
+    max_batches = int(cfg.get("local-batches", 0))  # 0: whole epochs
     for _ in range(int(cfg["local-epochs"])):
         order = torch.from_numpy(rng.permutation(rows.size)).to(device)
-        for start in range(0, rows.size, batch_size):
+        starts = range(0, rows.size, batch_size)
+        for start in starts[:max_batches] if max_batches else starts:
             idx = order[start : start + batch_size]
             loss = nn.functional.cross_entropy(model(images[idx]), labels[idx])
             opt.zero_grad(set_to_none=True)
@@ -57,7 +60,12 @@ def train(msg: Message, context: Context) -> Message:
     reply = RecordDict(
         {
             "arrays": ArrayRecord(state),
-            "metrics": MetricRecord({"num-examples": int(rows.size), "train-loss": total / max(seen, 1)}),
+            "metrics": MetricRecord(
+                {
+                    "num-examples": int(rows.size) if not max_batches else seen // int(cfg["local-epochs"]),
+                    "train-loss": total / max(seen, 1),
+                }
+            ),
         }
     )
     return Message(content=reply, reply_to=msg)

@@ -294,6 +294,15 @@ def write_report(
     return generated
 
 
+def publish(out: Path, section: str, parts: Sequence[str]) -> str:
+    """Write ``parts`` as the generated section ``section`` of ``out``, print and return it."""
+    begin, end = f"<!-- BEGIN GENERATED {section} -->", f"<!-- END GENERATED {section} -->"
+    text = "\n".join([begin, *parts, end])
+    write_section(out, begin, end, text)
+    print(text)
+    return text
+
+
 def write_section(out: Path, begin: str, end: str, generated: str) -> None:
     """Put ``generated`` (which starts with ``begin`` and ends with ``end``) into ``out``, replacing the old one."""
     text = out.read_text() if out.is_file() else "# Results\n\n" + begin + "\n" + end + "\n"

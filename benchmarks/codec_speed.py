@@ -1,0 +1,164 @@
+"""Codec speed against memory-speed references measured in the same run (issue 4, items 1–2).
+
+1. Client pack: ``codec.pack_signs(v)`` (sign of the Lion mix v, bit-packed) against a
+   float32 reduction ``v.sum()`` over the same tensor; also the whole client direction
+   (``lion.direction`` from m and g, then the pack), which reads two tensors.
+2. Server aggregation of n packed payloads: the vote (``codec.count_planes`` +
+   ``codec.majority_masks``: bit-sliced, never unpacked) and the mean (``count_planes``:
+   its planes are the mean's encoded levels) against an XOR-reduce over the same packed
+   bytes (``acc ^= payload`` on int64 words) and against the naive form: unpack each payload
+   to bytes and add it to an int16 counter, then sign / encode.
+
+Each figure is the median of ``--repeat`` runs; ratios are printed against the references
+of the same run. Usage::
+
+    python benchmarks/codec_speed.py [--device cpu|cuda] [--sizes 1e6,1e7,1e8] [--clients 4,16,64,256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from flower_dlion import codec, lion
+
+
+def timeit(fn: Callable[..., object], args: tuple, repeat: int, device: torch.device) -> float:
+    """Median seconds of ``repeat`` calls ``fn(*args)`` (after one warm-up)."""
+    fn(*args)
+    times = []
+    for _ in range(repeat):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn(*args)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def naive_counts(payloads: list[torch.Tensor], d: int) -> torch.Tensor:
+    """The naive form: unpack every payload to one byte per value and add it to a counter."""
+    counts = torch.zeros(d, dtype=torch.int16, device=payloads[0].device)
+    for p in payloads:
+        counts += codec.unpack_bits(p, d)
+    return counts
+
+
+def xor_reduce(words: list[torch.Tensor]) -> torch.Tensor:
+    """The reference: XOR of the payloads, 64 bits at a time."""
+    acc = words[0].clone()
+    for w in words[1:]:
+        acc.bitwise_xor_(w)
+    return acc
+
+
+def direction_and_pack(m: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """The client's δ path: the Lion direction from m and g, then the pack."""
+    return codec.pack_signs(lion.direction(m, g, 0.9))
+
+
+def bench_pack(sizes: list[int], device: torch.device, repeat: int) -> None:
+    print("\n## 1. Client pack: sign + bit-pack of d float32 values, against v.sum() over the same tensor\n")
+    print("| d | v.sum() | pack_signs(v) | ratio | direction(m, g) + pack | ratio |")
+    print("|---|---|---|---|---|---|")
+    gen = torch.Generator(device=device).manual_seed(0)
+    for d in sizes:
+        m = torch.randn(d, generator=gen, device=device)
+        g = torch.randn(d, generator=gen, device=device)
+        v = lion.direction(m, g, 0.9).mul_(torch.rand(d, generator=gen, device=device).add_(0.5))  # a mix, no zeros
+        t_sum = timeit(torch.sum, (v,), repeat, device)
+        t_pack = timeit(codec.pack_signs, (v,), repeat, device)
+        t_dir = timeit(direction_and_pack, (m, g), repeat, device)
+        print(
+            f"| {d:.0e} | {t_sum * 1e3:.2f} ms | {t_pack * 1e3:.2f} ms | **{t_pack / t_sum:.2f}×** "
+            f"| {t_dir * 1e3:.2f} ms | {t_dir / t_sum:.2f}× |"
+        )
+        del m, g, v
+
+
+def vote(payloads: list[torch.Tensor], n: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bit-sliced vote: packed masks of S > 0 and S = 0."""
+    return codec.majority_masks(codec.count_planes(payloads, d), n, d)
+
+
+def naive_vote(payloads: list[torch.Tensor], n: int, d: int) -> torch.Tensor:
+    """Naive vote: sign of 2·counts − n."""
+    return torch.sign(2 * naive_counts(payloads, d).int() - n)
+
+
+def naive_mean(payloads: list[torch.Tensor], n: int, d: int) -> torch.Tensor:
+    """Naive mean: the counts encoded as the mean's n + 1 levels."""
+    return codec.encode_levels(naive_counts(payloads, d), n + 1)
+
+
+def bench_aggregate(
+    sizes: list[int], clients: list[int], device: torch.device, repeat: int, naive_limit: float
+) -> None:
+    print("\n## 2. Server aggregation of n packed payloads, against XOR-reduce and the naive unpack-then-sum\n")
+    print(
+        "| d | n | XOR-reduce | vote (bit-sliced) | vote / XOR | mean (bit-sliced) | mean / XOR "
+        "| naive vote | naive / vote | naive mean | naive / mean | extra memory (vote) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    rng = np.random.default_rng(0)
+    for d in sizes:
+        nbytes = codec.packed_size(d)
+        pool: list[torch.Tensor] = []
+        for n in clients:
+            while len(pool) < n:  # payloads are reused across n (random bits: the vote's worst case)
+                pool.append(torch.from_numpy(np.frombuffer(rng.bytes(nbytes), dtype=np.uint8).copy()).to(device))
+            p = pool[:n]
+            words = [x.view(torch.int64) for x in p]
+            t_xor = timeit(xor_reduce, (words,), repeat, device)
+            t_vote = timeit(vote, (p, n, d), repeat, device)
+            t_mean = timeit(codec.count_planes, (p, d), repeat, device)
+            row = f"| {d:.0e} | {n} | {t_xor * 1e3:.1f} ms | {t_vote * 1e3:.1f} ms | **{t_vote / t_xor:.2f}×** "
+            row += f"| {t_mean * 1e3:.1f} ms | **{t_mean / t_xor:.2f}×** "
+            if n * d <= naive_limit:
+                t_nv = timeit(naive_vote, (p, n, d), repeat, device)
+                t_nm = timeit(naive_mean, (p, n, d), repeat, device)
+                row += f"| {t_nv * 1e3:.0f} ms | **{t_nv / t_vote:.1f}×** "
+                row += f"| {t_nm * 1e3:.0f} ms | **{t_nm / t_mean:.1f}×** "
+            else:
+                row += "| – | – | – | – "
+            planes = n.bit_length()
+            extra = (planes + 1) * 8 * ((nbytes + 7) // 8) + (2 * planes + 8) * 8 * min(1 << 16, nbytes // 8)
+            print(row + f"| {extra / 1e6:.1f} MB ({extra / d:.2f} B/value) |")
+        del pool
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--sizes", default="1e6,1e7,1e8", help="d values (multiples of 64)")
+    parser.add_argument("--clients", default="4,16,64,256")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--naive-limit", type=float, default=2e9, help="skip the naive form when n·d exceeds this")
+    parser.add_argument("--skip-pack", action="store_true")
+    parser.add_argument("--skip-aggregate", action="store_true")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    sizes = [int(float(s)) // 64 * 64 for s in args.sizes.split(",")]
+    clients = [int(n) for n in args.clients.split(",")]
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "none"
+    print(
+        f"# codec speed: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+        f"torch {torch.__version__} ({torch.get_num_threads()} threads), device {device} (GPU: {gpu})"
+    )
+    if not args.skip_pack:
+        bench_pack(sizes, device, args.repeat)
+    if not args.skip_aggregate:
+        bench_aggregate(sizes, clients, device, args.repeat, args.naive_limit)
+
+
+if __name__ == "__main__":
+    main()
