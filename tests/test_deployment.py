@@ -4,7 +4,11 @@ Slow (about a minute: each message starts a ClientApp process that imports torch
 """
 
 import json
+import os
 import shutil
+import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +18,10 @@ from flower_dlion.deploy import Deployment
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.skipif(shutil.which("flower-superlink") is None, reason="needs Flower's CLI tools")
+CLI = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])  # the venv's tools first
+
+
+@pytest.mark.skipif(shutil.which("flower-superlink", path=CLI) is None, reason="needs Flower's CLI tools")
 def test_three_supernodes_with_tls_and_auth_finish_and_bytes_match_the_superlinks(tmp_path: Path) -> None:
     # Prepare
     dep = Deployment(tmp_path / "work", nodes=3)
@@ -37,3 +44,51 @@ def test_three_supernodes_with_tls_and_auth_finish_and_bytes_match_the_superlink
     traffic = record["network-traffic"]
     assert traffic["inbound-bytes"] == pytest.approx(summary["total_mb_up"] * 1e6, rel=0.05)
     assert traffic["outbound-bytes"] == pytest.approx(summary["total_mb_down"] * 1e6, rel=0.05)
+
+
+def _rows(results: Path) -> list[dict]:
+    path = results / "results.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+@pytest.mark.skipif(
+    os.environ.get("FLOWER_DLION_FAULT_TEST") != "1",
+    reason="about 5 minutes of real processes and timeouts: set FLOWER_DLION_FAULT_TEST=1 to run it",
+)
+def test_killed_supernode_is_left_out_and_its_restart_resyncs(tmp_path: Path) -> None:
+    # Prepare: 3 SuperNodes; rounds wait at most 90 s for replies
+    dep = Deployment(tmp_path / "work", nodes=3)
+    results = tmp_path / "results"
+    config = f"num-server-rounds=7 eval-every=100 holdout=2000 round-timeout=90.0 results-dir='{results}'"
+    try:
+        dep.start_superlink()
+        for i in range(3):
+            dep.register(i)
+            dep.start_supernode(i)
+        # Execute: kill SuperNode 1 after round 2, start it again (empty state) after round 4
+        run = threading.Thread(target=lambda: out.update(dep.run(config, timeout=1500)))
+        out: dict = {}
+        run.start()
+        _wait_for_round(results, 2)
+        dep.kill("supernode1")
+        _wait_for_round(results, 4)
+        dep.start_supernode(1, name="supernode1-restarted")
+        run.join()
+    finally:
+        dep.stop()
+    # Assert: the run went on without the node and took it back with the full model
+    assert out["status"] == "finished:completed", out
+    rows = _rows(results)
+    assert [r["round"] for r in rows] == list(range(8))
+    assert min(r["num_replies"] - r["num_rejected"] for r in rows[3:5]) == 2  # rounds without node 1
+    assert rows[-1]["num_replies"] - rows[-1]["num_rejected"] == 3  # it contributes again
+    assert sum(r["full_syncs"] for r in rows[5:]) >= 1  # its fresh state got the full model
+
+
+def _wait_for_round(results: Path, rnd: int, timeout: float = 900) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if any(r["round"] >= rnd for r in _rows(results)):
+            return
+        time.sleep(1)
+    raise TimeoutError(f"round {rnd} not reached")
