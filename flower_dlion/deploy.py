@@ -168,20 +168,38 @@ class Deployment:
                 "--database", str(self.work / "state.db"),
             ],
         )  # fmt: skip
-        deadline = time.time() + 60
+        deadline = time.time() + 120
         while time.time() < deadline:
-            if self.flwr("ls", "--format", "json", timeout=30).returncode == 0:
+            if self.ls() is not None:  # the Control API answers over TLS
                 return
             if self.procs["superlink"].poll() is not None:
                 break
             time.sleep(1)
         raise RuntimeError(f"the SuperLink did not come up; see {self.work / 'superlink.log'}")
 
-    def register(self, i: int) -> None:
-        """Register node i's public key with the SuperLink."""
-        done = self.flwr("supernode", "register", str(self.keys[i][1]), "local-tls")
-        if done.returncode != 0:
-            raise RuntimeError(f"flwr supernode register failed: {done.stdout}{done.stderr}")
+    def ls(self, *args: str) -> dict[str, Any] | None:
+        """``flwr ls --format json`` (``args`` e.g. ``--run-id ID``); None unless it succeeded.
+
+        ``flwr`` exits 0 even when it cannot reach the SuperLink: its JSON says ``success``.
+        """
+        done = self.flwr("ls", *args, "--format", "json", timeout=60)
+        try:
+            out = json.loads(done.stdout)
+        except ValueError:
+            return None
+        return out if done.returncode == 0 and out.get("success", True) and "runs" in out else None
+
+    def register(self, i: int, timeout: float = 60) -> None:
+        """Register node i's public key with the SuperLink (retried while the SuperLink is unavailable)."""
+        deadline = time.time() + timeout
+        while True:
+            done = self.flwr("supernode", "register", str(self.keys[i][1]), "local-tls")
+            text = done.stdout + done.stderr
+            if done.returncode == 0 and "unavailable" not in text and "Error" not in text:
+                return
+            if time.time() > deadline:
+                raise RuntimeError(f"flwr supernode register failed: {text}")
+            time.sleep(2)
 
     def start_supernode(self, i: int, name: str | None = None) -> subprocess.Popen:
         """Start SuperNode i (partition i of n) with its private key and the CA."""
@@ -230,9 +248,9 @@ class Deployment:
         run_id = match.group(1)
         deadline = time.time() + timeout
         while time.time() < deadline:
-            listed = self.flwr("ls", "--run-id", run_id, "--format", "json", timeout=60)
-            if listed.returncode == 0:
-                record = json.loads(listed.stdout)["runs"][0]
+            listed = self.ls("--run-id", run_id)
+            if listed is not None and listed["runs"]:
+                record = listed["runs"][0]
                 if str(record["status"]).startswith("finished"):
                     return record
             time.sleep(2)
