@@ -110,13 +110,18 @@ def load_state(context: Context, d: int, device: torch.device) -> ReplicaState |
     return ReplicaState(tensors["x"], tensors["m"], version, tensors.get("e"), saved_round)
 
 
+def _state_arrays(state: ReplicaState) -> dict[str, torch.Tensor]:
+    """The tensors a stored state holds: x, m and, with error feedback, e."""
+    return {"x": state.x, "m": state.m} | ({"e": state.error} if state.error is not None else {})
+
+
 def save_state(context: Context, state: ReplicaState, momentum_dtype: str = "float32") -> None:
     """Store x, m (and e) and the version in ``context.state`` (kept by Flower across rounds).
 
     With ``momentum_dtype="bfloat16"`` m is stored in 2 bytes per value; it must already
     hold bfloat16-representable values (see :func:`train`), so nothing is lost here.
     """
-    arrays = {"x": state.x, "m": state.m} | ({"e": state.error} if state.error is not None else {})
+    arrays = _state_arrays(state)
     record = {k: Array(v.detach().cpu().numpy()) for k, v in arrays.items()}
     if momentum_dtype == "bfloat16":
         record["m"] = Array(state.m.detach().to(torch.bfloat16).view(torch.int16).cpu().numpy())
@@ -146,7 +151,7 @@ def _write_state_file(folder: Path, state: ReplicaState, keep_round: int) -> Non
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"r{state.round}.pt"
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    arrays = {"x": state.x, "m": state.m} | ({"e": state.error} if state.error is not None else {})
+    arrays = _state_arrays(state)
     torch.save({"version": state.version, "round": state.round} | {k: v.cpu() for k, v in arrays.items()}, tmp)
     os.replace(tmp, path)  # readers see the old file or the new one, never half of one
     rounds = _saved_rounds(folder)

@@ -283,10 +283,7 @@ class GlobalOptimizer(ServerModelStrategy):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Go on from :meth:`state_dict`."""
         super().load_state_dict(state)
-        x = self.x
-        assert x is not None
-        self._init_model(self.arrays())  # the optimizer objects, on a fresh x …
-        self.x.copy_(x)  # … that holds the checkpoint's values (the optimizer shares its storage)
+        self._init_model(self.arrays())  # x from the checkpoint's values, and the optimizer objects on it
         if state["m"] is not None:
             self._m = state["m"].clone()
         if state["torch_opt"] is not None and self._torch_opt is not None:
