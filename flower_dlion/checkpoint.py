@@ -18,7 +18,15 @@ __all__ = ["FORMAT", "RESUMABLE_KEYS", "check_resumable", "load_checkpoint", "sa
 
 FORMAT = 1
 # Run-config keys that may differ between the run that wrote a checkpoint and the one resuming it.
-RESUMABLE_KEYS = ("num-server-rounds", "resume", "results-dir", "checkpoint-every", "eval-every", "round-timeout")
+RESUMABLE_KEYS = (
+    "num-server-rounds",
+    "resume",
+    "results-dir",
+    "checkpoint-every",
+    "eval-every",
+    "round-timeout",
+    "poll-interval",
+)
 
 
 def save_checkpoint(path: Path, payload: Mapping[str, Any]) -> None:

@@ -160,7 +160,8 @@ def _pack_positive_cpu(v: np.ndarray) -> tuple[np.ndarray, bool]:
         return out, work(parts[0])
     if workers not in _POOLS:
         _POOLS[workers] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pack")
-    return out, any(_POOLS[workers].map(work, parts))
+    found = list(_POOLS[workers].map(work, parts))  # every chunk written before `out` is returned
+    return out, any(found)
 
 
 def unpack_signs(packed: torch.Tensor | bytes | np.ndarray, d: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -42,6 +42,7 @@ DEFAULTS: dict[str, Any] = {
     "data-dir": "",
     "device": "auto",
     "round-timeout": 3600.0,
+    "poll-interval": 0.0,
     "fail-fraction": 0.0,
     "byzantine-fraction": 0.0,
     "byzantine-mode": "flip",
@@ -134,6 +135,10 @@ def read_config(run_config: Mapping[str, Any] | None) -> dict[str, Any]:
     for key in ("fail-fraction", "byzantine-fraction"):
         if not 0.0 <= cfg[key] < 1.0:
             raise ValueError(f"run-config '{key}' must be in [0, 1), got {cfg[key]}")
+    if not (math.isfinite(cfg["poll-interval"]) and cfg["poll-interval"] >= 0):
+        raise ValueError(
+            f"run-config 'poll-interval' must be finite and >= 0 (0: the Grid's own), got {cfg['poll-interval']}"
+        )
     for key in ("round-timeout", "byzantine-scale"):
         if not (math.isfinite(cfg[key]) and cfg[key] > 0):
             raise ValueError(f"run-config '{key}' must be finite and > 0, got {cfg[key]}")

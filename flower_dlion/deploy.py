@@ -18,8 +18,10 @@ step fails):
    (``flwr run --stream`` exits 0 even when a run fails), then reports the status and the
    SuperLink's own ``network-traffic`` counters.
 
-Each SuperNode runs with ``--isolation subprocess`` (Flower's default) unless ``--isolation
-process`` is given.
+Each SuperNode runs with ``--isolation subprocess`` (Flower's default: the SuperNode starts a
+``flower-superexec`` that starts one ClientApp process per message) unless ``--isolation
+process`` is given (the launcher then starts each node's ``flower-superexec`` itself; in
+Flower 1.41 that still starts one ClientApp process per message).
 """
 
 from __future__ import annotations
@@ -202,26 +204,40 @@ class Deployment:
             time.sleep(2)
 
     def start_supernode(self, i: int, name: str | None = None) -> subprocess.Popen:
-        """Start SuperNode i (partition i of n) with its private key and the CA."""
-        return self._start(
-            name or f"supernode{i}",
+        """Start SuperNode i (partition i of n) with its private key and the CA.
+
+        With ``isolation="process"`` the SuperNode does not start the process that launches
+        ClientApps; this starts it (``flower-superexec``, pointed at the SuperNode's Runtime
+        API) as its own process ``<name>-superexec``, as one would in a separate container.
+        """
+        name = name or f"supernode{i}"
+        port = free_port()
+        proc = self._start(
+            name,
             [
                 "flower-supernode",
                 "--superlink", f"127.0.0.1:{self.port}",
                 "--root-certificates", str(self.ca),
                 "--auth-supernode-private-key", str(self.keys[i][0]),
                 "--node-config", f"partition-id={i} num-partitions={self.nodes}",
-                "--port", str(free_port()),
+                "--port", str(port),
                 "--isolation", self.isolation,
             ],
         )  # fmt: skip
+        if self.isolation == "process":
+            self._start(
+                f"{name}-superexec",
+                ["flower-superexec", "--runtime-api-address", f"127.0.0.1:{port}", "--insecure"],
+            )
+        return proc
 
     def kill(self, name: str) -> None:
-        """Kill one started process (and its children) by PID."""
-        proc = self.procs.pop(name, None)
-        if proc is not None and proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
+        """Kill one started process (and its children, and its SuperExec if any) by PID."""
+        for key in (name, f"{name}-superexec"):
+            proc = self.procs.pop(key, None)
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
 
     def stop(self) -> None:
         """Stop every process this deployment started (SIGTERM, then SIGKILL)."""

@@ -20,6 +20,7 @@ from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 from flwr.common.serde import context_from_proto, context_to_proto, message_from_proto, message_to_proto
 from flwr.proto.message_pb2 import Context as ProtoContext  # pylint: disable=no-name-in-module
+from flwr.server.superlink.linkstate.utils import create_message_error_unavailable_res_message
 from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
@@ -87,6 +88,7 @@ class LocalGrid(Grid):
             )
             self._contexts[node_id] = context_to_proto(ctx).SerializeToString()
         self._pending: dict[str, Message] = {}
+        self._killed: set[int] = set()
 
     # -- Grid interface -------------------------------------------------------
     def set_run(self, run: Run) -> None:
@@ -118,6 +120,7 @@ class LocalGrid(Grid):
         ids = []
         for message in messages:
             message_id = uuid.uuid4().hex
+            message.metadata.__dict__["_message_id"] = message_id  # as Flower's grids do
             if message.metadata.dst_node_id in self._contexts:  # a message to a node that left gets no reply
                 self._pending[message_id] = _roundtrip(message, message_id)
             ids.append(message_id)
@@ -157,12 +160,29 @@ class LocalGrid(Grid):
         self._contexts[node_id] = context_to_proto(ctx).SerializeToString()
 
     def restart_node(self, node_id: int, new_node_id: int) -> None:
-        """A SuperNode restart: the node comes back under a new id with an empty state."""
+        """A SuperNode restart: the node comes back (listed again) under ``new_node_id``, state empty.
+
+        ``new_node_id == node_id`` is a restart under SuperNode authentication (the id comes
+        with the node's key).
+        """
         ctx = self.context(node_id)
         ctx.node_id, ctx.state = new_node_id, RecordDict()
         del self._contexts[node_id]
         self._contexts[new_node_id] = context_to_proto(ctx).SerializeToString()
-        self.node_ids[self.node_ids.index(node_id)] = new_node_id
+        self._killed.discard(node_id)
+        if node_id in self.node_ids:
+            self.node_ids[self.node_ids.index(node_id)] = new_node_id
+        else:
+            self.node_ids.append(new_node_id)
+
+    def kill(self, node_id: int) -> None:
+        """The node's process dies; what Flower's SuperLink then does, without the wait.
+
+        The node stays listed until a message to it is answered by the SuperLink's own
+        ``NODE_UNAVAILABLE`` error reply (sender ``SUPERLINK_NODE_ID``, made by Flower's
+        ``create_message_error_unavailable_res_message``); then it is no longer listed.
+        """
+        self._killed.add(node_id)
 
     def disconnect(self, node_id: int) -> None:
         """The node leaves (it is no longer listed by ``get_node_ids``; messages to it fail)."""
@@ -171,6 +191,10 @@ class LocalGrid(Grid):
 
     def _execute(self, message: Message) -> Message | None:
         node_id = message.metadata.dst_node_id
+        if node_id in self._killed:
+            if node_id in self.node_ids:
+                self.node_ids.remove(node_id)
+            return create_message_error_unavailable_res_message(message.metadata, "node_unavail")
         context = self.context(node_id)
         try:
             reply = self.client_app(message, context)

@@ -5,10 +5,15 @@
 the measured size of every message sent and every reply received (``protocol.message_bytes``:
 the deflated Flower objects as they go on the wire). D-Lion, the gradient baselines and
 Flower's own FedAvg are therefore counted by the same code.
+
+With ``poll_interval``, ``send_and_receive`` pushes the messages and pulls for replies every
+``poll_interval`` seconds itself (Flower's deployment Grid sleeps 3 s between pulls); same
+semantics otherwise.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -54,6 +59,8 @@ class MeteredGrid(Grid):
     ----------
     grid : Grid
         The grid to wrap (simulation, deployment or ``LocalGrid``).
+    poll_interval : float | None (default: None)
+        Seconds between pulls for replies; None: the wrapped grid's own ``send_and_receive``.
 
     Attributes
     ----------
@@ -62,8 +69,11 @@ class MeteredGrid(Grid):
 
     """
 
-    def __init__(self, grid: Grid) -> None:
+    def __init__(self, grid: Grid, *, poll_interval: float | None = None) -> None:
+        if poll_interval is not None and not poll_interval > 0:
+            raise ValueError(f"poll_interval must be > 0 seconds, got {poll_interval}")
         self.grid = grid
+        self.poll_interval = poll_interval
         self.exchanges: list[Exchange] = []
 
     def set_run(self, run: Run) -> None:
@@ -99,7 +109,7 @@ class MeteredGrid(Grid):
         if not messages:
             return self.grid.send_and_receive(messages, timeout=timeout)
         down = sum(message_bytes(m) for m in messages)
-        replies = list(self.grid.send_and_receive(messages, timeout=timeout))
+        replies = self._exchange(messages, timeout)
         self.exchanges.append(
             Exchange(
                 message_type=messages[0].metadata.message_type,
@@ -111,4 +121,20 @@ class MeteredGrid(Grid):
                 train_loss=_reported_loss(replies),
             )
         )
+        return replies
+
+    def _exchange(self, messages: list[Message], timeout: float | None) -> list[Message]:
+        """Push, then pull until every message is answered or ``timeout`` s have passed (None: no limit)."""
+        if self.poll_interval is None:
+            return list(self.grid.send_and_receive(messages, timeout=timeout))
+        waiting = {i for i in self.grid.push_messages(messages) if i}  # a failed push is None: no reply will come
+        end = time.monotonic() + (timeout or 0.0)
+        replies: list[Message] = []
+        while waiting:
+            got = list(self.grid.pull_messages(waiting))
+            replies.extend(got)
+            waiting.difference_update(r.metadata.reply_to_message_id for r in got)
+            if not waiting or (timeout is not None and time.monotonic() >= end):
+                break
+            time.sleep(self.poll_interval)
         return replies

@@ -65,6 +65,7 @@ from collections.abc import Container, Sequence
 import numpy as np
 import torch
 from flwr.app import Array, Message, MetricRecord, RecordDict
+from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
 __all__ = [
@@ -87,6 +88,7 @@ __all__ = [
     "bits_array",
     "check_envelope",
     "checksum",
+    "error_text",
     "float_array",
     "message_bytes",
     "npy_bytes",
@@ -125,10 +127,16 @@ class RejectedReply(ValueError):
         self.resync = resync
 
 
+def error_text(msg: Message) -> str:
+    """An error reply in a log line: who reports it (a client, or the SuperLink for a lost node), code, reason."""
+    who = "the SuperLink reports" if msg.metadata.src_node_id == SUPERLINK_NODE_ID else "client error"
+    return f"{who} (code {msg.error.code}): {msg.error.reason[:2000]}"
+
+
 def check_envelope(msg: Message, sent: Container[int], server_round: int, records: Sequence[str]) -> None:
     """Reject error replies, replies from nodes not asked, for another round, or with other records."""
     if msg.has_error():
-        raise RejectedReply(f"client error (code {msg.error.code}): {msg.error.reason[:2000]}")
+        raise RejectedReply(error_text(msg))
     if msg.metadata.src_node_id not in sent:
         raise RejectedReply("no train message was sent to this node this round")
     if msg.metadata.group_id != str(server_round):

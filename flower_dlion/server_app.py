@@ -146,7 +146,7 @@ def run_federation(grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, s
     eval_name, eval_x, eval_y = evaluation_set(cfg)
     state_key = uuid.uuid4().hex if cfg["client-state-dir"] else ""  # kept across resumes (in the strategy)
     strategy = build_strategy(cfg, state_key)
-    metered = MeteredGrid(grid)
+    metered = MeteredGrid(grid, poll_interval=cfg["poll-interval"] or None)
     num_rounds = cfg["num-server-rounds"]
     results_path = out_dir / "results.jsonl"
     rows: list[dict[str, Any]] = []

@@ -1,11 +1,14 @@
 """Shared fixtures: Flower's task identity for building messages outside a run."""
 
 import os
+import tempfile
 
 import pytest
 from flwr.supercore.task_identity import TaskIdentity
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+# partitions cached by this session only (also in the processes it starts), never a user's old ones
+os.environ.setdefault("FLOWER_DLION_CACHE", tempfile.mkdtemp(prefix="flower-dlion-cache-"))
 
 
 @pytest.fixture(autouse=True)

@@ -35,6 +35,19 @@ def test_pack_bits_hand_computed() -> None:
     assert codec.pack_signs(v).tolist() == [0b1000_0001, 0b1100_0000]
 
 
+def test_threaded_pack_returns_only_when_every_chunk_is_written() -> None:
+    # Prepare: zeros in the first chunk (the first worker reports them first), 2·10⁶ values
+    torch.set_num_threads(max(2, torch.get_num_threads()))
+    v = torch.randn(2_000_000, generator=torch.Generator().manual_seed(1))
+    v[:100] = 0.0
+    expected = np.packbits((v > 0).numpy(), bitorder="big")[13:]  # bytes past the zeros
+    for _ in range(20):
+        # Execute
+        packed = codec.pack_signs(v, torch.Generator().manual_seed(0)).numpy()
+        # Assert: every byte past the zeros is exactly the sign bits (a returned-too-early buffer is not)
+        assert np.array_equal(packed[13:], expected)
+
+
 def test_zeros_are_coin_flips_not_one_side() -> None:
     zeros = torch.zeros(80_000)
     bits = codec.unpack_bits(codec.pack_signs(zeros, torch.Generator().manual_seed(0)), zeros.numel())

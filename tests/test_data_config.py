@@ -70,6 +70,38 @@ def test_partitions_cover_the_data_disjointly_and_reproducibly(partitioner: str)
         assert all(len(np.unique(labels[p])) == 2 for p in parts)
 
 
+def test_partitions_are_cached_on_disk_for_the_next_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Prepare: an empty cache; the first call computes and writes the partitions
+    monkeypatch.setattr(data, "CACHE_DIR", tmp_path)
+    labels = np.repeat(np.arange(10), 200)
+    computed = data._partitions.__wrapped__(labels.tobytes(), "dirichlet", 4, 0.5, 1, 2)
+
+    # Execute: a new process (no lru_cache) must not compute them again
+    def fail(*args: object) -> None:
+        raise AssertionError("partitions computed again")
+
+    monkeypatch.setattr(data, "_compute_partitions", fail)
+    cached = data._partitions.__wrapped__(labels.tobytes(), "dirichlet", 4, 0.5, 1, 2)
+    # Assert: identical, one file; other arguments or labels are another key
+    assert all(np.array_equal(a, b) for a, b in zip(computed, cached, strict=True))
+    assert len(list((tmp_path / "partitions").glob("*.npz"))) == 1
+    with pytest.raises(AssertionError, match="computed again"):
+        data._partitions.__wrapped__(labels.tobytes(), "dirichlet", 4, 0.5, 2, 2)  # another seed
+    with pytest.raises(AssertionError, match="computed again"):
+        data._partitions.__wrapped__(labels[::-1].copy().tobytes(), "dirichlet", 4, 0.5, 1, 2)
+
+
+def test_a_corrupt_partition_cache_file_is_recomputed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(data, "CACHE_DIR", tmp_path)
+    labels = np.repeat(np.arange(10), 50)
+    first = data._partitions.__wrapped__(labels.tobytes(), "iid", 3, 0.5, 0, 2)
+    (path,) = (tmp_path / "partitions").glob("*.npz")
+    path.write_bytes(path.read_bytes()[:60])  # a truncated zip
+    again = data._partitions.__wrapped__(labels.tobytes(), "iid", 3, 0.5, 0, 2)
+    assert all(np.array_equal(a, b) for a, b in zip(first, again, strict=True))
+    assert path.stat().st_size > 100  # rewritten
+
+
 def test_dirichlet_alpha_controls_skew() -> None:
     labels = np.repeat(np.arange(10), 600)
 

@@ -1,6 +1,7 @@
 """The app on Flower's Deployment Engine: a real SuperLink and 3 SuperNodes with TLS and node auth.
 
-Slow (about a minute: each message starts a ClientApp process that imports torch), run in CI.
+Slow (each message starts a ClientApp process that imports torch; the fault test waits about a
+minute for the SuperLink to notice a killed node), run in CI.
 """
 
 import json
@@ -51,15 +52,12 @@ def _rows(results: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
-@pytest.mark.skipif(
-    os.environ.get("FLOWER_DLION_FAULT_TEST") != "1",
-    reason="about 5 minutes of real processes and timeouts: set FLOWER_DLION_FAULT_TEST=1 to run it",
-)
+@pytest.mark.skipif(shutil.which("flower-superlink", path=CLI) is None, reason="needs Flower's CLI tools")
 def test_killed_supernode_is_left_out_and_its_restart_resyncs(tmp_path: Path) -> None:
     # Prepare: 3 SuperNodes; rounds wait at most 90 s for replies
     dep = Deployment(tmp_path / "work", nodes=3)
     results = tmp_path / "results"
-    config = f"num-server-rounds=7 eval-every=100 holdout=2000 round-timeout=90.0 results-dir='{results}'"
+    config = f"num-server-rounds=10 eval-every=100 holdout=2000 round-timeout=90.0 results-dir='{results}'"
     try:
         dep.start_superlink()
         for i in range(3):
@@ -79,10 +77,13 @@ def test_killed_supernode_is_left_out_and_its_restart_resyncs(tmp_path: Path) ->
     # Assert: the run went on without the node and took it back with the full model
     assert out["status"] == "finished:completed", out
     rows = _rows(results)
-    assert [r["round"] for r in rows] == list(range(8))
-    assert min(r["num_replies"] - r["num_rejected"] for r in rows[3:5]) == 2  # rounds without node 1
-    assert rows[-1]["num_replies"] - rows[-1]["num_rejected"] == 3  # it contributes again
-    assert sum(r["full_syncs"] for r in rows[5:]) >= 1  # its fresh state got the full model
+    assert [r["round"] for r in rows] == list(range(11))
+    # round 3: the SuperLink's NODE_UNAVAILABLE reply (≈ 60 s: 2 missed heartbeats) stands for node 1
+    assert (rows[3]["num_sent"], rows[3]["num_errors"], rows[3]["num_rejected"], rows[3]["num_failed"]) == (3, 1, 1, 0)
+    assert rows[4]["num_sent"] == 2  # round 4: node 1 is no longer listed
+    # the restarted node (same id under node auth) was greeted again: no state → the full model
+    assert sum(r["state_resets"] for r in rows[5:]) == 1 and sum(r["full_syncs"] for r in rows[5:]) == 1
+    assert rows[-1]["num_replies"] == 3 and rows[-1]["num_errors"] == 0  # it contributes again
 
 
 def _wait_for_round(results: Path, rnd: int, timeout: float = 900) -> None:

@@ -219,6 +219,33 @@ def test_restarted_node_without_state_gets_full_model_and_fresh_momentum(caplog:
         assert torch.equal(x, strategy.x), node
 
 
+def test_killed_node_reported_by_the_superlink_then_restarted_under_the_same_id(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Prepare: node 1001's process dies after round 2; under SuperNode authentication it
+    # restarts with the same node id (its key) and an empty state
+    grid = LocalGrid(client_app, 3, run_config=RUN_CONFIG)
+    strategy = DistributedLion(lr=LR, weight_decay=WD)
+    run_rounds(strategy, grid, 2)
+    caplog.set_level(logging.WARNING, logger="flwr")
+    # Execute: round 3 gets the SuperLink's NODE_UNAVAILABLE reply for it; round 4 without it
+    grid.kill(1001)
+    run_rounds(strategy, grid, 2, start=3)
+    grid.restart_node(1001, 1001)
+    run_rounds(strategy, grid, 1, start=5)
+    # Assert: the SuperLink's reply (sender node 1) is the killed node's, by reply_to_message_id
+    assert "round 3: rejected reply from node 1001 (partition 1): the SuperLink reports" in caplog.text
+    assert "Node Unavailable" in caplog.text and "from node 1 " not in caplog.text
+    assert [h["num-sampled"] for h in strategy.history] == [3, 3, 3, 2, 3]
+    assert [h["num-replies"] for h in strategy.history] == [3, 3, 2, 2, 3]
+    assert [h["num-rejected"] for h in strategy.history] == [0, 0, 1, 0, 0]
+    # the node was forgotten, so its return (same id) is greeted: no state → full model at once
+    assert "partition 1 (node 1001) has no state (a restarted SuperNode?): it gets the full model" in caplog.text
+    assert strategy.history[-1]["state-resets"] == 1 and strategy.history[-1]["full-syncs"] == 1
+    for node, x in sync_replicas(strategy, grid, 6).items():
+        assert torch.equal(x, strategy.x), node
+
+
 def test_restarted_node_with_state_files_continues_exactly(tmp_path: Path) -> None:
     # Prepare: twin federations with state files; in one, partition 1's SuperNode restarts after round 2
     cfg = {**RUN_CONFIG, "client-state-dir": str(tmp_path)}

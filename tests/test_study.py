@@ -1,12 +1,13 @@
 """The study harness: every strategy end to end, the resumable sweep, the report."""
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, MessageType
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp.strategy import FedAvg
 
 from flower_dlion.client_app import app as client_app
@@ -15,6 +16,7 @@ from flower_dlion.data import load_fashion_mnist, partition_indices, to_tensor
 from flower_dlion.local_grid import LocalGrid
 from flower_dlion.metering import MeteredGrid
 from flower_dlion.model import Net
+from flower_dlion.protocol import HELLO
 from flower_dlion.server_app import run_federation, train_config
 from flower_dlion.strategies import DistributedLion
 from flower_dlion.study import report, sweep
@@ -70,6 +72,49 @@ def test_meter_agrees_with_distributed_lions_own_byte_metrics(fake_data: str) ->
     assert [e.bytes_down for e in train] == [h["bytes-down"] for h in strategy.history]
     (hello,) = [e for e in grid.exchanges if e.message_type == MessageType.QUERY]  # once, in round 1
     assert hello.num_replies == 3 and hello.bytes_up < 3 * 500 and hello.bytes_down < 3 * 500
+
+
+class SlowGrid(LocalGrid):
+    """LocalGrid whose replies become available only ``delay`` seconds after the push."""
+
+    def __init__(self, *args, delay: float, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.delay, self.pulls, self.pushed_at = delay, 0, 0.0
+
+    def push_messages(self, messages):
+        self.pushed_at = time.monotonic()
+        return [*super().push_messages(messages), None]  # a failed push, as Flower's Grid returns it
+
+    def pull_messages(self, message_ids):
+        self.pulls += 1
+        if time.monotonic() - self.pushed_at < self.delay:
+            return []
+        return super().pull_messages([i for i in message_ids if i is not None])
+
+
+def test_metered_grid_polls_every_interval_until_all_replies_or_the_timeout(fake_data: str) -> None:
+    # Prepare: replies come 0.3 s after the push
+    cfg = {"batch-size": 8, "partitioner": "iid", "data-dir": fake_data}
+    grid = SlowGrid(client_app, 3, run_config=cfg, delay=0.3)
+    metered = MeteredGrid(grid, poll_interval=0.05)
+    hello = RecordDict({HELLO: ConfigRecord()})
+    msgs = [Message(content=hello, dst_node_id=n, message_type=MessageType.QUERY) for n in grid.node_ids]
+    # Execute
+    t0 = time.monotonic()
+    replies = metered.send_and_receive(msgs, timeout=10)
+    waited = time.monotonic() - t0
+    too_short = MeteredGrid(SlowGrid(client_app, 3, run_config=cfg, delay=5), poll_interval=0.05)
+    t1 = time.monotonic()
+    none = too_short.send_and_receive(
+        [Message(content=hello, dst_node_id=n, message_type=MessageType.QUERY) for n in grid.node_ids], timeout=0.2
+    )
+    # Assert: all 3 replies (the failed push is not waited for), soon after they became available
+    assert sorted(r.metadata.src_node_id for r in replies) == grid.node_ids
+    assert 0.3 <= waited < 2.0 and 5 <= grid.pulls <= 30
+    assert none == [] and 0.2 <= time.monotonic() - t1 < 2.0
+    assert metered.exchanges[0].num_replies == 3 and too_short.exchanges[0].num_replies == 0
+    with pytest.raises(ValueError, match="poll_interval must be > 0"):
+        MeteredGrid(grid, poll_interval=0.0)
 
 
 @pytest.mark.parametrize("local_batches", [0, 1])

@@ -16,11 +16,12 @@ from typing import Any
 import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 from flwr.supercore import log
 
-from ..protocol import HELLO, RejectedReply, read_metrics
+from ..protocol import HELLO, RejectedReply, error_text, read_metrics
 
 __all__ = ["Layout", "ServerModelStrategy", "check_common_args", "flatten", "unflatten"]
 
@@ -121,6 +122,7 @@ class ServerModelStrategy(Strategy):
         self._pid_of: dict[int, int] = {}  # node id → partition id
         self._node_of: dict[int, int] = {}  # partition id → node id
         self.query_timeout = 600.0  # seconds to wait for the answers to a hello
+        self._outbox: list[Message] = []  # the train messages of the round in progress
 
     @property
     def num_parameters(self) -> int:
@@ -139,6 +141,28 @@ class ServerModelStrategy(Strategy):
     def partition_of(self, node_id: int) -> int:
         """The partition id a node said it trains on (-1 if unknown)."""
         return self._pid_of.get(node_id, -1)
+
+    def _reply_node(self, reply: Message, sent: Iterable[Message] | None = None) -> tuple[int, int]:
+        """The node a reply speaks for and its partition id (-1 if unknown).
+
+        A node's own reply: its sender. When a node stops heartbeating, the SuperLink answers
+        the message sent to it with an error of its own (sender ``SUPERLINK_NODE_ID``); that
+        reply is the node's, found by the message it answers (``reply_to_message_id``; the
+        Grid gave the sent messages their ids). The node's id is then forgotten, so that it is
+        greeted again (hello) when it reconnects: a SuperNode restarted under node
+        authentication keeps its id, but not its state.
+        """
+        node_id = reply.metadata.src_node_id
+        answered = reply.metadata.reply_to_message_id
+        if node_id == SUPERLINK_NODE_ID and answered:
+            for msg in self._outbox if sent is None else sent:
+                if msg.metadata.message_id == answered:
+                    node_id = msg.metadata.dst_node_id
+                    pid = self._pid_of.pop(node_id, -1)
+                    if self._node_of.get(pid) == node_id:
+                        del self._node_of[pid]
+                    return node_id, pid
+        return node_id, self.partition_of(node_id)
 
     def _hello_config(self, server_round: int) -> ConfigRecord:
         """What a hello carries (subclasses add their keys)."""
@@ -164,10 +188,10 @@ class ServerModelStrategy(Strategy):
                 Message(content=content, dst_node_id=n, message_type=MessageType.QUERY, group_id=group) for n in new
             ]
             for reply in grid.send_and_receive(hellos, timeout=self.query_timeout):
-                node_id = reply.metadata.src_node_id
+                node_id, _ = self._reply_node(reply, hellos)
                 try:
                     if reply.has_error():
-                        raise RejectedReply(f"client error (code {reply.error.code}): {reply.error.reason}")
+                        raise RejectedReply(error_text(reply))
                     if node_id not in new:
                         raise RejectedReply("no hello was sent to this node")
                     values = read_metrics(reply.content, HELLO, ("partition-id", "version"), extra_ok=True)

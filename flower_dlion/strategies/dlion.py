@@ -325,6 +325,7 @@ class DistributedLion(ServerModelStrategy):
             rnd.bytes_down_fp32 += size - payload_len + (4 * self.num_parameters if needs_model else 0)
             messages.append(msg)
         self._momentum_avg = None
+        self._outbox = messages
         return messages
 
     def _round_config(self, server_round: int, config: ConfigRecord, rnd: _Round) -> ConfigRecord:
@@ -543,8 +544,7 @@ class DistributedLion(ServerModelStrategy):
         bytes_up = bytes_up_fp32 = rejected = mismatches = 0
         answered: set[int] = set()
         for msg in replies:
-            node_id = msg.metadata.src_node_id
-            pid = self.partition_of(node_id)
+            node_id, pid = self._reply_node(msg)  # for a SuperLink error reply: the node it speaks for
             size = message_bytes(msg)
             bytes_up += size
             try:

@@ -186,10 +186,11 @@ class GlobalOptimizer(ServerModelStrategy):
         content = RecordDict({GRAD_CONFIG: cfg, GRAD_MODEL: ArrayRecord({"x": Array(self.x.numpy().copy())})})
         self._open_round = server_round
         self._sent = dict.fromkeys(node_ids, server_round)
-        return [
+        self._outbox = [
             Message(content=content, dst_node_id=node_id, message_type=MessageType.TRAIN, group_id=str(server_round))
             for node_id in node_ids
         ]
+        return self._outbox
 
     def _check_reply(self, msg: Message, server_round: int) -> tuple[torch.Tensor, dict[str, float]]:
         """Validate one reply; return (decoded gradient, metrics) or raise RejectedReply."""
@@ -231,7 +232,7 @@ class GlobalOptimizer(ServerModelStrategy):
         losses, examples = [], []
         answered: set[int] = set()
         for msg in replies:
-            node_id = msg.metadata.src_node_id
+            node_id, _ = self._reply_node(msg)  # for a SuperLink error reply: the node it speaks for
             try:
                 if node_id in answered:
                     raise RejectedReply("a second reply from this node in this round")
