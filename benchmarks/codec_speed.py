@@ -1,14 +1,19 @@
 """Codec speed against memory-speed references measured in the same run (issue 4, items 1–2).
 
 1. Client pack: ``codec.pack_signs(v)`` (sign of the Lion mix v, bit-packed) against a
-   float32 reduction ``v.sum()`` over the same tensor; also the whole client direction
-   (``lion.direction`` from m and g, then the pack), which reads two tensors.
-2. Server aggregation of n packed payloads: the vote (``codec.count_planes`` +
-   ``codec.majority_masks``: bit-sliced, never unpacked) and the mean (``count_planes``:
-   its planes are the mean's encoded levels) against an XOR-reduce over the same packed
-   bytes (``acc ^= payload`` on int64 words) and against the naive form: unpack each payload
-   to bytes and add it to an int16 counter, then sign / encode.
+   float32 reduction ``v.sum()`` over the same tensor, with the fused kernel and with numpy;
+   also the whole client direction (``lion.direction`` from m and g, then the pack), which
+   reads two tensors.
+2. Server aggregation of n packed payloads: the vote (``codec.vote_masks``: bit-sliced,
+   never unpacked) and the mean (``codec.count_planes``: its planes are the mean's encoded
+   levels) against an XOR-reduce over the same packed bytes (``acc ^= payload`` on int64
+   words) and against the naive form: unpack each payload to bytes and add it to an int16
+   counter, then sign / encode; the vote also with numpy instead of the kernels.
+3. The strategy's count (``codec.count_ones``: int32 vote counts, the sum S = 2·count − n
+   comes from it) with the kernels and with numpy, against writing d int32 zeros.
 
+On the CPU "kernel" means ``FLOWER_DLION_KERNELS=on`` (numba's fused kernels at every size;
+the codec's default ``auto`` uses them from 2²⁰ values up) and "numpy" means ``off``.
 Each figure is the median of ``--repeat`` runs; ratios are printed against the references
 of the same run. Usage::
 
@@ -18,16 +23,33 @@ of the same run. Usage::
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib
+import importlib.util
 import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import torch
 
 from flower_dlion import codec, lion
+
+HAVE_NUMBA = importlib.util.find_spec("numba") is not None
+
+
+@contextmanager
+def kernels(mode: str) -> Iterator[None]:
+    """Run the codec with ``FLOWER_DLION_KERNELS=mode``."""
+    old = os.environ.get(codec.KERNELS_ENV, "auto")
+    os.environ[codec.KERNELS_ENV] = mode
+    try:
+        yield
+    finally:
+        os.environ[codec.KERNELS_ENV] = old
 
 
 def timeit(fn: Callable[..., object], args: tuple, repeat: int, device: torch.device) -> float:
@@ -68,26 +90,24 @@ def direction_and_pack(m: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 
 def bench_pack(sizes: list[int], device: torch.device, repeat: int) -> None:
     print("\n## 1. Client pack: sign + bit-pack of d float32 values, against v.sum() over the same tensor\n")
-    print("| d | v.sum() | pack_signs(v) | ratio | direction(m, g) + pack | ratio |")
-    print("|---|---|---|---|---|---|")
+    print("| d | v.sum() | pack, kernel | ratio | pack, numpy | ratio | direction(m, g) + pack | ratio |")
+    print("|---|---|---|---|---|---|---|---|")
     gen = torch.Generator(device=device).manual_seed(0)
     for d in sizes:
         m = torch.randn(d, generator=gen, device=device)
         g = torch.randn(d, generator=gen, device=device)
         v = lion.direction(m, g, 0.9).mul_(torch.rand(d, generator=gen, device=device).add_(0.5))  # a mix, no zeros
         t_sum = timeit(torch.sum, (v,), repeat, device)
-        t_pack = timeit(codec.pack_signs, (v,), repeat, device)
-        t_dir = timeit(direction_and_pack, (m, g), repeat, device)
+        with kernels("on" if HAVE_NUMBA and device.type == "cpu" else "off"):
+            t_pack = timeit(codec.pack_signs, (v,), repeat, device)
+            t_dir = timeit(direction_and_pack, (m, g), repeat, device)
+        with kernels("off"):
+            t_numpy = timeit(codec.pack_signs, (v,), repeat, device)
         print(
             f"| {d:.0e} | {t_sum * 1e3:.2f} ms | {t_pack * 1e3:.2f} ms | **{t_pack / t_sum:.2f}×** "
-            f"| {t_dir * 1e3:.2f} ms | {t_dir / t_sum:.2f}× |"
+            f"| {t_numpy * 1e3:.2f} ms | {t_numpy / t_sum:.2f}× | {t_dir * 1e3:.2f} ms | {t_dir / t_sum:.2f}× |"
         )
         del m, g, v
-
-
-def vote(payloads: list[torch.Tensor], n: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Bit-sliced vote: packed masks of S > 0 and S = 0."""
-    return codec.majority_masks(codec.count_planes(payloads, d), n, d)
 
 
 def naive_vote(payloads: list[torch.Tensor], n: int, d: int) -> torch.Tensor:
@@ -105,10 +125,10 @@ def bench_aggregate(
 ) -> None:
     print("\n## 2. Server aggregation of n packed payloads, against XOR-reduce and the naive unpack-then-sum\n")
     print(
-        "| d | n | XOR-reduce | vote (bit-sliced) | vote / XOR | mean (bit-sliced) | mean / XOR "
+        "| d | n | XOR-reduce | vote (bit-sliced) | vote / XOR | mean (bit-sliced) | mean / XOR | vote, numpy / XOR "
         "| naive vote | naive / vote | naive mean | naive / mean | extra memory (vote) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     rng = np.random.default_rng(0)
     for d in sizes:
         nbytes = codec.packed_size(d)
@@ -119,10 +139,13 @@ def bench_aggregate(
             p = pool[:n]
             words = [x.view(torch.int64) for x in p]
             t_xor = timeit(xor_reduce, (words,), repeat, device)
-            t_vote = timeit(vote, (p, n, d), repeat, device)
-            t_mean = timeit(codec.count_planes, (p, d), repeat, device)
+            with kernels("on" if HAVE_NUMBA and device.type == "cpu" else "off"):
+                t_vote = timeit(codec.vote_masks, (p, d), repeat, device)
+                t_mean = timeit(codec.count_planes, (p, d), repeat, device)
+            with kernels("off"):
+                t_numpy = timeit(codec.vote_masks, (p, d), repeat, device)
             row = f"| {d:.0e} | {n} | {t_xor * 1e3:.1f} ms | {t_vote * 1e3:.1f} ms | **{t_vote / t_xor:.2f}×** "
-            row += f"| {t_mean * 1e3:.1f} ms | **{t_mean / t_xor:.2f}×** "
+            row += f"| {t_mean * 1e3:.1f} ms | **{t_mean / t_xor:.2f}×** | {t_numpy / t_xor:.2f}× "
             if n * d <= naive_limit:
                 t_nv = timeit(naive_vote, (p, n, d), repeat, device)
                 t_nm = timeit(naive_mean, (p, n, d), repeat, device)
@@ -130,10 +153,34 @@ def bench_aggregate(
                 row += f"| {t_nm * 1e3:.0f} ms | **{t_nm / t_mean:.1f}×** "
             else:
                 row += "| – | – | – | – "
-            planes = n.bit_length()
-            extra = (planes + 1) * 8 * ((nbytes + 7) // 8) + (2 * planes + 8) * 8 * min(1 << 16, nbytes // 8)
+            planes, nwords = n.bit_length(), (nbytes + 7) // 8
+            if HAVE_NUMBA and device.type == "cpu":  # two masks + per thread 2B + 1 chunk planes of 2 kB
+                extra = 2 * 8 * nwords + torch.get_num_threads() * (2 * planes + 1) * 8 * 256
+            else:  # B + 1 planes + 2B + 8 chunk buffers, then the two masks
+                extra = (planes + 3) * 8 * nwords + (2 * planes + 8) * 8 * min(1 << 16, nwords)
             print(row + f"| {extra / 1e6:.1f} MB ({extra / d:.2f} B/value) |")
         del pool
+
+
+def bench_counts(sizes: list[int], clients: list[int], repeat: int) -> None:
+    print("\n## 3. The strategy's count_ones (int32 counts) of n payloads, kernel against numpy\n")
+    print("| d | n | zeros(d, int32) | count_ones, kernel | / zeros | count_ones, numpy | numpy / kernel |")
+    print("|---|---|---|---|---|---|---|")
+    rng = np.random.default_rng(0)
+    for d in sizes:
+        d += 3  # a partial last word, as in a real model
+        payloads: list[bytes] = []
+        for n in clients:
+            payloads += [rng.bytes(codec.packed_size(d)) for _ in range(n - len(payloads))]  # as Flower delivers them
+            t_zeros = timeit(functools.partial(torch.zeros, dtype=torch.int32), (d,), repeat, torch.device("cpu"))
+            with kernels("on" if HAVE_NUMBA else "off"):
+                t_kernel = timeit(codec.count_ones, (payloads[:n], d), repeat, torch.device("cpu"))
+            with kernels("off"):
+                t_numpy = timeit(codec.count_ones, (payloads[:n], d), repeat, torch.device("cpu"))
+            print(
+                f"| {d:,} | {n} | {t_zeros * 1e3:.1f} ms | {t_kernel * 1e3:.1f} ms | {t_kernel / t_zeros:.2f}× "
+                f"| {t_numpy * 1e3:.1f} ms | **{t_numpy / t_kernel:.1f}×** |"
+            )
 
 
 def main() -> None:
@@ -145,19 +192,24 @@ def main() -> None:
     parser.add_argument("--naive-limit", type=float, default=2e9, help="skip the naive form when n·d exceeds this")
     parser.add_argument("--skip-pack", action="store_true")
     parser.add_argument("--skip-aggregate", action="store_true")
+    parser.add_argument("--counts", action="store_true", help="also section 3 (CPU only), for --count-sizes")
+    parser.add_argument("--count-sizes", default="281031,1e7")
     args = parser.parse_args()
     device = torch.device(args.device)
     sizes = [int(float(s)) // 64 * 64 for s in args.sizes.split(",")]
     clients = [int(n) for n in args.clients.split(",")]
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "none"
+    numba = importlib.import_module("numba").__version__ if HAVE_NUMBA else "not installed"
     print(
         f"# codec speed: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-        f"torch {torch.__version__} ({torch.get_num_threads()} threads), device {device} (GPU: {gpu})"
+        f"torch {torch.__version__} ({torch.get_num_threads()} threads), numba {numba}, device {device} (GPU: {gpu})"
     )
     if not args.skip_pack:
         bench_pack(sizes, device, args.repeat)
     if not args.skip_aggregate:
         bench_aggregate(sizes, clients, device, args.repeat, args.naive_limit)
+    if args.counts:
+        bench_counts([int(float(s)) for s in args.count_sizes.split(",")], [10, 64], args.repeat)
 
 
 if __name__ == "__main__":

@@ -19,13 +19,22 @@ A broadcast Δ is sent as integer *levels* ``k ∈ {0, …, L-1}`` with
 ``Δ = (2k − (L−1)) / (L−1)``: the vote uses L = 3 ({-1, 0, +1}) or L = 2 when no tie is
 possible (odd number of voters), the mean over n votes uses L = n + 1. The smallest of
 the formats above that fits L is used (:func:`level_format`).
+
+On the CPU, packing signs and counting votes run in fused kernels (:mod:`flower_dlion.kernels`,
+numba, the ``fast`` extra) when numba is installed, else in numpy; both give the same bytes.
+``FLOWER_DLION_KERNELS`` picks: ``auto`` (default: the kernels from 2²⁰ values up, where they
+save more than a fresh process spends importing them), ``on`` (always; an error without
+numba) or ``off`` (numpy only).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from types import ModuleType
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -48,6 +57,7 @@ __all__ = [
     "planes_to_counts",
     "unpack_bits",
     "unpack_signs",
+    "vote_masks",
 ]
 
 SIGN1 = "sign1"
@@ -107,12 +117,13 @@ def pack_signs(v: torch.Tensor, generator: torch.Generator | None = None) -> tor
     Exact zeros have no 1-bit code. Sending them all as one fixed side would push every
     such parameter the same way each round, so each zero is sent as a fair coin flip
     drawn from ``generator`` (unbiased; seed it for reproducible runs). On the CPU the
-    signs are packed a cache-sized chunk at a time on torch's threads (one read of ``v``);
-    elsewhere with tensor operations on ``v``'s device.
+    signs are compared and packed a cache-sized block at a time on torch's threads (one
+    read of ``v``), by the fused kernel where available; elsewhere with tensor operations
+    on ``v``'s device.
     """
     v = v.reshape(-1)
     if v.device.type == "cpu" and v.dtype == torch.float32:
-        packed, has_zeros = _pack_positive_cpu(v.numpy())  # one pass, in cache-sized chunks, on every core
+        packed, has_zeros = _pack_positive_cpu(v.numpy())  # one pass, block by block, on every core
         if has_zeros:  # set a coin flip's bit at each exact zero
             where = np.flatnonzero(v.numpy() == 0)
             coin = torch.randint(0, 2, (where.size,), generator=generator, dtype=torch.uint8).numpy()
@@ -126,26 +137,65 @@ def pack_signs(v: torch.Tensor, generator: torch.Generator | None = None) -> tor
     return pack_bits(bits)
 
 
-_CHUNK = 1 << 16  # values per chunk (a multiple of 8: chunks start on byte boundaries)
+# ------------------------------------------------------------------ CPU: kernels and threads
+KERNELS_ENV = "FLOWER_DLION_KERNELS"
+_KERNELS_FROM = 1 << 20  # values: below, numpy is within a millisecond and numba's import is spared
+_T = TypeVar("_T")
 _POOLS: dict[int, ThreadPoolExecutor] = {}  # worker count → pool
 
 
-def _pack_positive_cpu(v: np.ndarray) -> tuple[np.ndarray, bool]:
-    """Bits of ``v > 0`` packed, and whether ``v`` has exact zeros; chunked, on torch's CPU threads.
+def _kernels(size: int) -> ModuleType | None:
+    """The fused kernels (:mod:`flower_dlion.kernels`) if they should handle ``size`` values, else None."""
+    mode = os.environ.get(KERNELS_ENV, "auto")
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"{KERNELS_ENV} must be 'auto', 'on' or 'off', got {mode!r}")
+    if mode == "off" or (mode == "auto" and size < _KERNELS_FROM):
+        return None
+    try:
+        from . import kernels
+    except ImportError as err:
+        if mode == "on":
+            raise ImportError(f"{KERNELS_ENV}=on needs numba: pip install 'flower-dlion[fast]'") from err
+        return None
+    return kernels
 
-    Each chunk (256 kB of float32) is compared and packed while it is in cache, so the
-    vector is read from memory once; numpy's loops release the GIL, so the threads run
-    in parallel.
+
+def _on_threads(work: Callable[[int, int], _T], total: int, grain: int) -> list[_T]:
+    """``work(first, last)`` over ``[0, total)`` in contiguous parts, one per torch CPU thread.
+
+    Each part has at least ``grain`` items (one part when ``total`` is small). The work
+    must release the GIL (numpy loops and the kernels do). Returns every part's result,
+    so all of them are finished when it returns.
+    """
+    workers = max(1, min(torch.get_num_threads(), total // max(grain, 1)))
+    if workers == 1:
+        return [work(0, total)]
+    if workers not in _POOLS:
+        _POOLS[workers] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="codec")
+    bounds = [total * i // workers for i in range(workers + 1)]
+    return list(_POOLS[workers].map(work, bounds[:-1], bounds[1:]))
+
+
+_CHUNK = 1 << 16  # values per numpy chunk (a multiple of 8: chunks start on byte boundaries)
+
+
+def _pack_positive_cpu(v: np.ndarray) -> tuple[np.ndarray, bool]:
+    """Bits of ``v > 0`` packed, and whether ``v`` has exact zeros; block by block, on torch's CPU threads.
+
+    With the kernels each value is read once and packed in registers; without, numpy
+    compares and packs a 256 kB chunk while it is in cache (its loops release the GIL).
     """
     d = v.size
     out = np.empty(packed_size(d), dtype=np.uint8)
-    starts = range(0, d, _CHUNK)
-    workers = max(1, min(torch.get_num_threads(), len(starts)))
+    kernels = _kernels(d)
+    if kernels is not None:
+        blocks = -(-d // kernels.BLOCK)
+        return out, any(_on_threads(lambda a, b: kernels.pack_positive(v, out, a, b), blocks, 512))
 
-    def work(part: range) -> bool:
+    def work(first: int, last: int) -> bool:
         bits, other = np.empty(_CHUNK, dtype=np.bool_), np.empty(_CHUNK, dtype=np.bool_)
         zeros = False
-        for s in part:
+        for s in range(first * _CHUNK, min(last * _CHUNK, d), _CHUNK):
             c = v[s : s + _CHUNK]
             b, o = bits[: c.size], other[: c.size]
             np.greater(c, 0, out=b)  # the sign bit: 1 for v > 0
@@ -155,13 +205,7 @@ def _pack_positive_cpu(v: np.ndarray) -> tuple[np.ndarray, bool]:
                 zeros = not np.logical_or(b, o, out=o).all()
         return zeros
 
-    parts = [starts[i::workers] for i in range(workers)]  # interleaved: equal shares of the chunks
-    if workers == 1:
-        return out, work(parts[0])
-    if workers not in _POOLS:
-        _POOLS[workers] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pack")
-    found = list(_POOLS[workers].map(work, parts))  # every chunk written before `out` is returned
-    return out, any(found)
+    return out, any(_on_threads(work, -(-d // _CHUNK), 1))
 
 
 def unpack_signs(packed: torch.Tensor | bytes | np.ndarray, d: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -172,16 +216,83 @@ def unpack_signs(packed: torch.Tensor | bytes | np.ndarray, d: int, dtype: torch
 def count_ones(payloads: Sequence[torch.Tensor | bytes | np.ndarray], d: int) -> torch.Tensor:
     """Per-coordinate number of 1 bits (votes for +1) over packed sign payloads (int32).
 
-    Counted bit-sliced (:func:`count_planes`), then the B = ⌊log₂ n⌋ + 1 count planes are
-    unpacked once: memory is O(d) besides the payloads, never an n × d array. The vote sum
-    is ``S = 2·count_ones(...) − n``.
+    Counted bit-sliced (:func:`count_planes`), never unpacked to an n × d array: memory is
+    O(d) besides the payloads. The kernels write the counts straight from the cached
+    planes; without them the B = ⌊log₂ n⌋ + 1 count planes are unpacked once each. The
+    vote sum is ``S = 2·count_ones(...) − n``.
     """
     if not payloads:
         return torch.zeros(d, dtype=torch.int32)
-    return planes_to_counts(count_planes(payloads, d), d)
+    kernels = _kernels(d) if _on_cpu(payloads) else None
+    if kernels is None:
+        return planes_to_counts(count_planes(payloads, d), d)
+    nbytes, num_planes = packed_size(d), len(payloads).bit_length()
+    counts = np.empty(64 * ((nbytes + 7) // 8), dtype=np.int32)  # 64 per word; the spare ones are cut off
+    words = _KernelWords(payloads, nbytes)
+    words.run(lambda first, last: kernels.count_ones(words.addresses, num_planes, first, last, counts))
+    if words.tail is not None:
+        kernels.count_ones(words.tail, num_planes, 0, 1, counts[64 * words.whole :])
+    return torch.from_numpy(counts[:d])
+
+
+def vote_masks(payloads: Sequence[torch.Tensor | bytes | np.ndarray], d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed masks (gt, tie) of count > n/2 and count = n/2 over n packed sign payloads.
+
+    The vote Δ = sign(S) is +1 where ``gt``, 0 where ``tie``, −1 elsewhere; the same as
+    :func:`majority_masks` of :func:`count_planes`, but the kernels keep the planes in
+    cache and write only the two masks.
+    """
+    n = len(payloads)
+    kernels = _kernels(d) if n and _on_cpu(payloads) else None
+    if kernels is None:
+        return majority_masks(count_planes(payloads, d), n, d)
+    nbytes = packed_size(d)
+    gt, tie = np.empty((nbytes + 7) // 8, dtype=np.uint64), np.empty((nbytes + 7) // 8, dtype=np.uint64)
+    words = _KernelWords(payloads, nbytes)
+    words.run(lambda first, last: kernels.vote_masks(words.addresses, n.bit_length(), first, last, gt, tie))
+    if words.tail is not None:
+        kernels.vote_masks(words.tail, n.bit_length(), 0, 1, gt[words.whole :], tie[words.whole :])
+    return torch.from_numpy(gt.view(np.uint8)[:nbytes]), torch.from_numpy(tie.view(np.uint8)[:nbytes])
 
 
 # ---------------------------------------------------------------- bit-sliced vote counting
+def _on_cpu(payloads: Sequence[torch.Tensor | bytes | np.ndarray]) -> bool:
+    """Whether the payloads are in host memory (bytes, numpy arrays or CPU tensors)."""
+    return not any(isinstance(p, torch.Tensor) and p.device.type != "cpu" for p in payloads)
+
+
+class _KernelWords:
+    """The payloads as the kernels read them: the address of each one's whole int64 words.
+
+    No payload is copied (a ``bytes`` payload is read in place) unless it is not 8-byte
+    aligned. The bytes after the last whole word, if any, are copied zero-padded into one
+    word per payload, ``tail`` holding their addresses. ``run`` counts the whole words on
+    torch's threads.
+    """
+
+    def __init__(self, payloads: Sequence[torch.Tensor | bytes | np.ndarray], nbytes: int) -> None:
+        self.whole = nbytes // 8
+        self.n = len(payloads)
+        self._keep: list[np.ndarray] = []  # the arrays the addresses point into stay alive
+        self.addresses = np.empty(self.n, dtype=np.int64)
+        tails = np.zeros((self.n, 1), dtype=np.uint64)
+        for i, p in enumerate(payloads):
+            a = np.frombuffer(p, dtype=np.uint8) if isinstance(p, bytes | bytearray) else as_uint8(p).numpy()
+            if a.size != nbytes:
+                raise ValueError(f"expected {nbytes} packed bytes, got {a.size}")
+            if a.ctypes.data % 8:
+                a = a.copy()  # numpy's own allocations are aligned
+            self._keep.append(a)
+            self.addresses[i] = a.ctypes.data
+            tails.view(np.uint8)[i, : nbytes % 8] = a[8 * self.whole :]
+        self._keep.append(tails)
+        self.tail = tails.ctypes.data + 8 * np.arange(self.n, dtype=np.int64) if nbytes % 8 else None
+
+    def run(self, work: Callable[[int, int], None]) -> None:
+        """``work(first, last)`` over the whole words, at least 64 k payload words per thread."""
+        _on_threads(work, self.whole, max(256, (1 << 16) // max(self.n, 1)))
+
+
 def _words(packed: torch.Tensor | bytes | np.ndarray, nbytes: int, nwords: int) -> torch.Tensor:
     """Packed bytes as ``nwords`` int64 words (zero-padded to a whole word: a copy only then)."""
     p = as_uint8(packed)
@@ -204,13 +315,25 @@ def count_planes(
     The payloads are never unpacked: 64 coordinates are counted at once with carry-save
     adders over int64 words (the counter plane of weight 2ᵏ and two new planes of that
     weight → the new counter plane and one carry plane of weight 2ᵏ⁺¹; five bitwise
-    operations), a chunk of words at a time so that the counters stay in cache. Extra
-    memory is O(B·d/8) for the planes plus O(B·chunk) — never n × d.
+    operations), a chunk of words at a time so that the counters stay in cache: on the CPU
+    in the fused kernel (2 kB chunks, every payload word read once) where available, else
+    with torch operations (``chunk_words`` words per chunk). Extra memory is O(B·d/8) for
+    the planes plus O(B·chunk) — never n × d.
     """
     n = len(payloads)
     nbytes = packed_size(d)
     nwords = (nbytes + 7) // 8
     num_planes = max(1, n.bit_length())
+    kernels = _kernels(d) if n and _on_cpu(payloads) else None
+    if kernels is not None:
+        planes_np = np.empty((num_planes, nwords), dtype=np.uint64)
+        words = _KernelWords(payloads, nbytes)
+        words.run(lambda first, last: kernels.count_planes(words.addresses, first, last, planes_np))
+        if words.tail is not None:
+            last = np.empty((num_planes, 1), dtype=np.uint64)
+            kernels.count_planes(words.tail, 0, 1, last)
+            planes_np[:, words.whole] = last[:, 0]
+        return torch.from_numpy(planes_np).view(torch.uint8)[:, :nbytes]
     device = as_uint8(payloads[0]).device if n else torch.device("cpu")
     planes = torch.zeros(num_planes + 1, nwords, dtype=torch.int64, device=device)  # +1: an always-zero spill
     words = [_words(p, nbytes, nwords) for p in payloads]

@@ -1,4 +1,10 @@
-"""Bit codec: exact round trips, exact sizes, numpy-compatible layout."""
+"""Bit codec: exact round trips, exact sizes, numpy-compatible layout; numpy and the kernels alike."""
+
+import importlib.util
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -6,16 +12,37 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import flower_dlion
 from flower_dlion import codec
 
+HAVE_NUMBA = importlib.util.find_spec("numba") is not None
+# every CPU path of pack and count runs twice: numpy ("off") and the fused kernels at any size ("on")
+MODES = ["off", pytest.param("on", marks=pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed"))]
 
+
+@contextmanager
+def kernels(mode: str) -> Iterator[None]:
+    """Run the codec with FLOWER_DLION_KERNELS=mode (hypothesis tests cannot use monkeypatch)."""
+    old = os.environ.get(codec.KERNELS_ENV)
+    os.environ[codec.KERNELS_ENV] = mode
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[codec.KERNELS_ENV]
+        else:
+            os.environ[codec.KERNELS_ENV] = old
+
+
+@pytest.mark.parametrize("mode", MODES)
 @settings(max_examples=200, deadline=None)
 @given(d=st.integers(1, 100_000), seed=st.integers(0, 2**31 - 1))
-def test_sign_round_trip_any_length(d: int, seed: int) -> None:
+def test_sign_round_trip_any_length(mode: str, d: int, seed: int) -> None:
     # Prepare
     signs = torch.where(torch.rand(d, generator=torch.Generator().manual_seed(seed)) < 0.5, -1.0, 1.0)
     # Execute
-    packed = codec.pack_signs(signs)
+    with kernels(mode):
+        packed = codec.pack_signs(signs)
     # Assert
     assert packed.dtype == torch.uint8
     assert packed.numel() == (d + 7) // 8
@@ -29,14 +56,18 @@ def test_layout_matches_numpy_packbits(d: int) -> None:
     assert np.array_equal(codec.pack_bits(bits).numpy(), np.packbits(bits.numpy(), bitorder="big"))
 
 
-def test_pack_bits_hand_computed() -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_pack_bits_hand_computed(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # +1 −1 −1 −1 −1 −1 −1 +1 | +1 +1 (padding zeros)
+    monkeypatch.setenv(codec.KERNELS_ENV, mode)
     v = torch.tensor([1.0, -1, -1, -1, -1, -1, -1, 1, 1, 1])
     assert codec.pack_signs(v).tolist() == [0b1000_0001, 0b1100_0000]
 
 
-def test_threaded_pack_returns_only_when_every_chunk_is_written() -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_threaded_pack_returns_only_when_every_chunk_is_written(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # Prepare: zeros in the first chunk (the first worker reports them first), 2·10⁶ values
+    monkeypatch.setenv(codec.KERNELS_ENV, mode)
     torch.set_num_threads(max(2, torch.get_num_threads()))
     v = torch.randn(2_000_000, generator=torch.Generator().manual_seed(1))
     v[:100] = 0.0
@@ -48,7 +79,9 @@ def test_threaded_pack_returns_only_when_every_chunk_is_written() -> None:
         assert np.array_equal(packed[13:], expected)
 
 
-def test_zeros_are_coin_flips_not_one_side() -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_zeros_are_coin_flips_not_one_side(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(codec.KERNELS_ENV, mode)
     zeros = torch.zeros(80_000)
     bits = codec.unpack_bits(codec.pack_signs(zeros, torch.Generator().manual_seed(0)), zeros.numel())
     assert 0.49 < bits.float().mean().item() < 0.51  # unbiased, not all one way
@@ -109,7 +142,9 @@ def test_levels_to_values() -> None:
     assert codec.levels_to_values(torch.tensor([0, 1, 2, 3, 4]), 5).tolist() == [-1.0, -0.5, 0.0, 0.5, 1.0]
 
 
-def test_count_ones_hand_computed() -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_count_ones_hand_computed(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(codec.KERNELS_ENV, mode)
     a = codec.pack_signs(torch.tensor([1.0, 1, -1, -1, 1, -1, 1, -1, 1]))
     b = codec.pack_signs(torch.tensor([1.0, -1, -1, 1, 1, -1, -1, -1, 1]))
     c = codec.pack_signs(torch.tensor([-1.0, -1, -1, 1, 1, 1, 1, -1, 1]))
@@ -118,8 +153,10 @@ def test_count_ones_hand_computed() -> None:
     assert codec.count_ones([], 4).tolist() == [0, 0, 0, 0]
 
 
-def test_count_planes_hand_computed_are_the_bits_of_the_counts() -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_count_planes_hand_computed_are_the_bits_of_the_counts(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # counts [2, 1, 0, 2, 3, 1, 2, 0, 3] (as above): bit 0 = [0,1,0,0,1,1,0,0,1], bit 1 = [1,0,0,1,1,0,1,0,1]
+    monkeypatch.setenv(codec.KERNELS_ENV, mode)
     a = codec.pack_signs(torch.tensor([1.0, 1, -1, -1, 1, -1, 1, -1, 1]))
     b = codec.pack_signs(torch.tensor([1.0, -1, -1, 1, 1, -1, -1, -1, 1]))
     c = codec.pack_signs(torch.tensor([-1.0, -1, -1, 1, 1, 1, 1, -1, 1]))
@@ -133,8 +170,10 @@ def test_count_planes_hand_computed_are_the_bits_of_the_counts() -> None:
     gt, tie = codec.majority_masks(planes, 3, 9)  # count > 3/2: the vote's +1
     assert codec.unpack_bits(gt, 9).int().tolist() == [1, 0, 0, 1, 1, 0, 1, 0, 1]
     assert not codec.unpack_bits(tie, 9).any()  # no ties between 3 voters
+    assert all(torch.equal(x, y) for x, y in zip(codec.vote_masks([a, b, c], 9), (gt, tie), strict=True))
 
 
+@pytest.mark.parametrize("mode", MODES)
 @settings(max_examples=150, deadline=None)
 @given(
     n=st.integers(1, 70),
@@ -142,28 +181,90 @@ def test_count_planes_hand_computed_are_the_bits_of_the_counts() -> None:
     chunk=st.sampled_from([1, 3, 64, 1 << 16]),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_bit_sliced_counts_and_majority_equal_the_unpacked_sum(n: int, d: int, chunk: int, seed: int) -> None:
-    # Prepare: n random bit vectors (payloads as bytes, tensors and arrays)
+def test_bit_sliced_counts_and_majority_equal_the_unpacked_sum(
+    mode: str, n: int, d: int, chunk: int, seed: int
+) -> None:
+    # Prepare: n random bit vectors (payloads as bytes, tensors, arrays, and a tensor 1 byte off alignment)
     rng = np.random.default_rng(seed)
     bits = rng.integers(0, 2, size=(n, d)).astype(bool)
     payloads = [np.packbits(b, bitorder="big") for b in bits]
-    payloads = [p.tobytes() if i % 3 == 0 else torch.from_numpy(p) if i % 3 == 1 else p for i, p in enumerate(payloads)]
+
+    def misaligned(p: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.concatenate([[0], p]).astype(np.uint8))[1:]
+
+    kinds = (bytes, torch.from_numpy, np.asarray, misaligned)
+    payloads = [kinds[i % 4](p.tobytes() if i % 4 == 0 else p) for i, p in enumerate(payloads)]
     # Execute
-    planes = codec.count_planes(payloads, d, chunk_words=chunk)
-    gt, tie = codec.majority_masks(planes, n, d)
+    with kernels(mode):
+        planes = codec.count_planes(payloads, d, chunk_words=chunk)
+        gt, tie = codec.majority_masks(planes, n, d)
+        counts = codec.count_ones(payloads, d)
+        masks = codec.vote_masks(payloads, d)
     # Assert: the reference is the n × d sum the bit-sliced counter never builds
     expected = bits.sum(axis=0)
     assert planes.shape == (n.bit_length(), (d + 7) // 8)
     np.testing.assert_array_equal(codec.planes_to_counts(planes, d).numpy(), expected)
+    np.testing.assert_array_equal(counts.numpy(), expected)
     np.testing.assert_array_equal(codec.unpack_bits(gt, d).numpy(), 2 * expected > n)
     np.testing.assert_array_equal(codec.unpack_bits(tie, d).numpy(), 2 * expected == n)
+    assert torch.equal(masks[0], gt) and torch.equal(masks[1], tie)
+
+
+@pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
+@settings(max_examples=60, deadline=None)
+@given(d=st.integers(1, 300_000), zeros=st.integers(0, 50), seed=st.integers(0, 2**31 - 1))
+def test_kernel_pack_is_bit_identical_to_numpy(d: int, zeros: int, seed: int) -> None:
+    # Prepare: random floats with exact zeros (+0.0 and −0.0), a NaN and infinities
+    gen = torch.Generator().manual_seed(seed)
+    v = torch.randn(d, generator=gen)
+    idx = torch.randint(0, d, (zeros,), generator=gen)
+    v[idx] = torch.tensor([0.0, -0.0, float("nan"), float("inf"), -float("inf")]).repeat(zeros)[:zeros]
+    # Execute: the same coin-flip generator on both paths
+    with kernels("off"):
+        expected = codec.pack_signs(v, torch.Generator().manual_seed(7))
+    with kernels("on"):
+        got = codec.pack_signs(v, torch.Generator().manual_seed(7))
+    # Assert
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
+@pytest.mark.parametrize("n", [1, 2, 5, 64])
+def test_kernel_counts_on_two_threads_with_a_partial_last_word(n: int) -> None:
+    # Prepare: d = 10⁶ + 3 (⌈d/8⌉ = 125,001 bytes: one partial word), two threads
+    torch.set_num_threads(max(2, torch.get_num_threads()))
+    d = 1_000_003
+    rng = np.random.default_rng(n)
+    payloads = [rng.integers(0, 256, codec.packed_size(d), dtype=np.uint8).tobytes() for _ in range(n)]
+    with kernels("off"):
+        expected = (codec.count_planes(payloads, d), codec.count_ones(payloads, d), codec.vote_masks(payloads, d))
+    # Execute
+    with kernels("on"):
+        got = (codec.count_planes(payloads, d), codec.count_ones(payloads, d), codec.vote_masks(payloads, d))
+    # Assert
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    assert torch.equal(got[2][0], expected[2][0]) and torch.equal(got[2][1], expected[2][1])
+
+
+def test_kernels_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(codec.KERNELS_ENV, "fast")
+    with pytest.raises(ValueError, match="FLOWER_DLION_KERNELS must be 'auto', 'on' or 'off', got 'fast'"):
+        codec.pack_signs(torch.ones(3))
+    monkeypatch.setitem(sys.modules, "flower_dlion.kernels", None)  # as if numba were not installed
+    monkeypatch.delattr(flower_dlion, "kernels", raising=False)
+    monkeypatch.setenv(codec.KERNELS_ENV, "auto")
+    assert codec.pack_signs(torch.ones(2_000_000)).numel() == 250_000  # auto: numpy instead
+    monkeypatch.setenv(codec.KERNELS_ENV, "on")
+    with pytest.raises(ImportError, match=r"FLOWER_DLION_KERNELS=on needs numba: pip install 'flower-dlion\[fast\]'"):
+        codec.pack_signs(torch.ones(3))
 
 
 def test_codec_lion_and_quantizers_import_no_flwr() -> None:
     import subprocess
     import sys
 
-    code = "import sys, flower_dlion.codec, flower_dlion.lion, flower_dlion.quantizers; print('flwr' in sys.modules)"
+    modules = "flower_dlion.codec, flower_dlion.lion, flower_dlion.quantizers" + (", flower_dlion.kernels" * HAVE_NUMBA)
+    code = f"import sys, {modules}; print('flwr' in sys.modules)"
     assert (
         subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
         == "False"
