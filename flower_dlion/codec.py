@@ -316,7 +316,7 @@ def count_planes(
     adders over int64 words (the counter plane of weight 2ᵏ and two new planes of that
     weight → the new counter plane and one carry plane of weight 2ᵏ⁺¹; five bitwise
     operations), a chunk of words at a time so that the counters stay in cache: on the CPU
-    in the fused kernel (2 kB chunks, every payload word read once) where available, else
+    in the fused kernel (8 kB chunks, every payload word read once) where available, else
     with torch operations (``chunk_words`` words per chunk). Extra memory is O(B·d/8) for
     the planes plus O(B·chunk) — never n × d.
     """
