@@ -13,7 +13,9 @@
    comes from it) with the kernels and with numpy, against writing d int32 zeros.
 
 On the CPU "kernel" means ``FLOWER_DLION_KERNELS=on`` (numba's fused kernels at every size;
-the codec's default ``auto`` uses them from 2²⁰ values up) and "numpy" means ``off``.
+the codec's default ``auto`` uses them from 2²⁰ values up) and "numpy" means ``off``. On a
+CUDA device the vote, the mean and "kernel" are the Triton kernels (``on``, as under ``auto``)
+and "numpy" stands for the tensor-operation path (``off``).
 Each figure is the median of ``--repeat`` runs; ratios are printed against the references
 of the same run. Usage::
 
@@ -90,7 +92,8 @@ def direction_and_pack(m: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 
 def bench_pack(sizes: list[int], device: torch.device, repeat: int) -> None:
     print("\n## 1. Client pack: sign + bit-pack of d float32 values, against v.sum() over the same tensor\n")
-    print("| d | v.sum() | pack, kernel | ratio | pack, numpy | ratio | direction(m, g) + pack | ratio |")
+    unfused = "numpy" if device.type == "cpu" else "tensor ops"
+    print(f"| d | v.sum() | pack, kernel | ratio | pack, {unfused} | ratio | direction(m, g) + pack | ratio |")
     print("|---|---|---|---|---|---|---|---|")
     gen = torch.Generator(device=device).manual_seed(0)
     for d in sizes:
@@ -98,14 +101,14 @@ def bench_pack(sizes: list[int], device: torch.device, repeat: int) -> None:
         g = torch.randn(d, generator=gen, device=device)
         v = lion.direction(m, g, 0.9).mul_(torch.rand(d, generator=gen, device=device).add_(0.5))  # a mix, no zeros
         t_sum = timeit(torch.sum, (v,), repeat, device)
-        with kernels("on" if HAVE_NUMBA and device.type == "cpu" else "off"):
+        with kernels("on" if HAVE_NUMBA or device.type == "cuda" else "off"):
             t_pack = timeit(codec.pack_signs, (v,), repeat, device)
             t_dir = timeit(direction_and_pack, (m, g), repeat, device)
         with kernels("off"):
             t_numpy = timeit(codec.pack_signs, (v,), repeat, device)
         print(
-            f"| {d:.0e} | {t_sum * 1e3:.2f} ms | {t_pack * 1e3:.2f} ms | **{t_pack / t_sum:.2f}×** "
-            f"| {t_numpy * 1e3:.2f} ms | {t_numpy / t_sum:.2f}× | {t_dir * 1e3:.2f} ms | {t_dir / t_sum:.2f}× |"
+            f"| {d:.0e} | {t_sum * 1e3:.3f} ms | {t_pack * 1e3:.3f} ms | **{t_pack / t_sum:.2f}×** "
+            f"| {t_numpy * 1e3:.3f} ms | {t_numpy / t_sum:.2f}× | {t_dir * 1e3:.3f} ms | {t_dir / t_sum:.2f}× |"
         )
         del m, g, v
 
@@ -124,9 +127,10 @@ def bench_aggregate(
     sizes: list[int], clients: list[int], device: torch.device, repeat: int, naive_limit: float
 ) -> None:
     print("\n## 2. Server aggregation of n packed payloads, against XOR-reduce and the naive unpack-then-sum\n")
+    unfused = "numpy" if device.type == "cpu" else "tensor ops"
     print(
-        "| d | n | XOR-reduce | vote (bit-sliced) | vote / XOR | mean (bit-sliced) | mean / XOR | vote, numpy / XOR "
-        "| naive vote | naive / vote | naive mean | naive / mean | extra memory (vote) |"
+        f"| d | n | XOR-reduce | vote (bit-sliced) | vote / XOR | mean (bit-sliced) | mean / XOR "
+        f"| vote, {unfused} / XOR | naive vote | naive / vote | naive mean | naive / mean | extra memory (vote) |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     rng = np.random.default_rng(0)
@@ -139,7 +143,7 @@ def bench_aggregate(
             p = pool[:n]
             words = [x.view(torch.int64) for x in p]
             t_xor = timeit(xor_reduce, (words,), repeat, device)
-            with kernels("on" if HAVE_NUMBA and device.type == "cpu" else "off"):
+            with kernels("on" if HAVE_NUMBA or device.type == "cuda" else "off"):
                 t_vote = timeit(codec.vote_masks, (p, d), repeat, device)
                 t_mean = timeit(codec.count_planes, (p, d), repeat, device)
             with kernels("off"):
@@ -154,8 +158,10 @@ def bench_aggregate(
             else:
                 row += "| – | – | – | – "
             planes, nwords = n.bit_length(), (nbytes + 7) // 8
-            if HAVE_NUMBA and device.type == "cpu":  # two masks + per thread 2B + 1 chunk planes of 2 kB
-                extra = 2 * 8 * nwords + torch.get_num_threads() * (2 * planes + 1) * 8 * 256
+            if device.type == "cuda":  # two masks and the table of payload addresses
+                extra = 2 * nbytes + 8 * n
+            elif HAVE_NUMBA:  # two masks + per thread 2B + 1 chunk planes of 8 kB
+                extra = 2 * 8 * nwords + torch.get_num_threads() * (2 * planes + 1) * 8 * 1024
             else:  # B + 1 planes + 2B + 8 chunk buffers, then the two masks
                 extra = (planes + 3) * 8 * nwords + (2 * planes + 8) * 8 * min(1 << 16, nwords)
             print(row + f"| {extra / 1e6:.1f} MB ({extra / d:.2f} B/value) |")

@@ -9,7 +9,7 @@ ratio D-Lion / FedAvg is printed for each D-Lion setting.
 
 Usage::
 
-    python benchmarks/round_time.py [--rounds 100] [--clients 10] [--batch-size 64]
+    python benchmarks/round_time.py [--rounds 100] [--clients 10] [--batch-size 64] [--device auto|cpu|cuda]
 """
 
 from __future__ import annotations
@@ -38,11 +38,11 @@ SETTINGS = {
 }
 
 
-def round_seconds(settings: dict, rounds: int, clients: int, batch_size: int) -> tuple[float, float]:
+def round_seconds(settings: dict, rounds: int, clients: int, batch_size: int, device: str) -> tuple[float, float]:
     """Seconds per round (wall minus evaluation) and MB per round, both ways."""
     with tempfile.TemporaryDirectory() as tmp:
         cfg = {**settings, "num-server-rounds": rounds, "eval-every": rounds, "batch-size": batch_size}
-        cfg["results-dir"] = tmp
+        cfg |= {"results-dir": tmp, "device": device}
         run_federation(LocalGrid(client_app, clients, run_config=cfg), cfg, save_model=False)
         summary = json.loads((Path(tmp) / "summary.json").read_text())
     train = summary["wall_time_s"] - summary["eval_time_s"]
@@ -54,17 +54,20 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=100)
     parser.add_argument("--clients", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--device", default="auto", help="the clients' device (auto: cuda if available)")
     args = parser.parse_args()
+    gpu = torch.cuda.get_device_name() if args.device != "cpu" and torch.cuda.is_available() else "none"
     logging.getLogger("flwr").setLevel(logging.WARNING)
     print(
         f"# round wall time, {args.clients} clients, {args.rounds} rounds, batch {args.batch_size}, in-process grid; "
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}, {os.cpu_count()} CPUs\n"
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}, {os.cpu_count()} CPUs; "
+        f"clients on {args.device} (GPU: {gpu})\n"
     )
     print("| method | s per round | MB per round (all clients, up + down) | round time / FedAvg's |")
     print("|---|---|---|---|")
     reference = None
     for name, settings in SETTINGS.items():
-        seconds, mb = round_seconds(settings, args.rounds, args.clients, args.batch_size)
+        seconds, mb = round_seconds(settings, args.rounds, args.clients, args.batch_size, args.device)
         reference = reference or seconds
         print(f"| {name} | {seconds:.3f} | {mb:.2f} | **{seconds / reference:.2f}×** |")
 

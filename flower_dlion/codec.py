@@ -24,11 +24,15 @@ On the CPU, packing signs and counting votes run in fused kernels (:mod:`flower_
 numba, the ``fast`` extra) when numba is installed, else in numpy; both give the same bytes.
 ``FLOWER_DLION_KERNELS`` picks: ``auto`` (default: the kernels from 2²⁰ values up, where they
 save more than a fresh process spends importing them), ``on`` (always; an error without
-numba) or ``off`` (numpy only).
+numba) or ``off`` (numpy only). On a CUDA device the sign pack is one fused Triton kernel
+(:mod:`flower_dlion.gpu_kernels`; Triton comes with torch's CUDA builds on Linux) under
+``auto`` and ``on`` (an error without Triton), tensor operations under ``off``; so are the
+vote counts of payloads in GPU memory (:func:`count_ones`, :func:`vote_masks`, :func:`count_planes`).
 """
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -118,10 +122,15 @@ def pack_signs(v: torch.Tensor, generator: torch.Generator | None = None) -> tor
     such parameter the same way each round, so each zero is sent as a fair coin flip
     drawn from ``generator`` (unbiased; seed it for reproducible runs). On the CPU the
     signs are compared and packed a cache-sized block at a time on torch's threads (one
-    read of ``v``), by the fused kernel where available; elsewhere with tensor operations
-    on ``v``'s device.
+    read of ``v``), by the fused kernel where available; on a CUDA device by one Triton
+    kernel (one read of ``v``; reading its zero flag waits for it, as reading the bytes
+    would); elsewhere, or with exact zeros, with tensor operations on ``v``'s device.
     """
     v = v.reshape(-1)
+    if v.device.type == "cuda" and v.dtype == torch.float32 and (gpu := _gpu_kernels()) is not None:
+        packed, has_zeros = gpu.pack_positive(v.contiguous())
+        if not int(has_zeros):  # with zeros, the tensor-operation path below draws the coins
+            return packed
     if v.device.type == "cpu" and v.dtype == torch.float32:
         packed, has_zeros = _pack_positive_cpu(v.numpy())  # one pass, block by block, on every core
         if has_zeros:  # set a coin flip's bit at each exact zero
@@ -144,20 +153,37 @@ _T = TypeVar("_T")
 _POOLS: dict[int, ThreadPoolExecutor] = {}  # worker count → pool
 
 
-def _kernels(size: int) -> ModuleType | None:
-    """The fused kernels (:mod:`flower_dlion.kernels`) if they should handle ``size`` values, else None."""
+def _kernel_mode() -> str:
+    """``FLOWER_DLION_KERNELS``: ``auto`` (default), ``on`` or ``off``."""
     mode = os.environ.get(KERNELS_ENV, "auto")
     if mode not in ("auto", "on", "off"):
         raise ValueError(f"{KERNELS_ENV} must be 'auto', 'on' or 'off', got {mode!r}")
+    return mode
+
+
+def _optional_kernels(module: str, needs: str) -> ModuleType | None:
+    """``flower_dlion.<module>``, or None where it cannot be imported (an error under ``on``)."""
+    try:
+        return importlib.import_module(f"{__package__}.{module}")
+    except ImportError as err:
+        if _kernel_mode() == "on":
+            raise ImportError(f"{KERNELS_ENV}=on needs {needs}") from err
+        return None
+
+
+def _kernels(size: int) -> ModuleType | None:
+    """The fused kernels (:mod:`flower_dlion.kernels`) if they should handle ``size`` values, else None."""
+    mode = _kernel_mode()
     if mode == "off" or (mode == "auto" and size < _KERNELS_FROM):
         return None
-    try:
-        from . import kernels
-    except ImportError as err:
-        if mode == "on":
-            raise ImportError(f"{KERNELS_ENV}=on needs numba: pip install 'flower-dlion[fast]'") from err
+    return _optional_kernels("kernels", "numba: pip install 'flower-dlion[fast]'")
+
+
+def _gpu_kernels() -> ModuleType | None:
+    """The Triton kernels (:mod:`flower_dlion.gpu_kernels`) unless ``FLOWER_DLION_KERNELS=off`` or Triton is missing."""
+    if _kernel_mode() == "off":
         return None
-    return kernels
+    return _optional_kernels("gpu_kernels", "Triton on a CUDA device (torch's CUDA builds bring it)")
 
 
 def _on_threads(work: Callable[[int, int], _T], total: int, grain: int) -> list[_T]:
@@ -223,6 +249,8 @@ def count_ones(payloads: Sequence[torch.Tensor | bytes | np.ndarray], d: int) ->
     """
     if not payloads:
         return torch.zeros(d, dtype=torch.int32)
+    if not _on_cpu(payloads) and (gpu := _gpu_kernels()) is not None:
+        return gpu.count_ones([as_uint8(p) for p in payloads], d)
     kernels = _kernels(d) if _on_cpu(payloads) else None
     if kernels is None:
         return planes_to_counts(count_planes(payloads, d), d)
@@ -243,6 +271,8 @@ def vote_masks(payloads: Sequence[torch.Tensor | bytes | np.ndarray], d: int) ->
     cache and write only the two masks.
     """
     n = len(payloads)
+    if n and not _on_cpu(payloads) and (gpu := _gpu_kernels()) is not None:
+        return gpu.vote_masks([as_uint8(p) for p in payloads], d)
     kernels = _kernels(d) if n and _on_cpu(payloads) else None
     if kernels is None:
         return majority_masks(count_planes(payloads, d), n, d)
@@ -318,12 +348,16 @@ def count_planes(
     operations), a chunk of words at a time so that the counters stay in cache: on the CPU
     in the fused kernel (8 kB chunks, every payload word read once) where available, else
     with torch operations (``chunk_words`` words per chunk). Extra memory is O(B·d/8) for
-    the planes plus O(B·chunk) — never n × d.
+    the planes plus O(B·chunk) — never n × d. Payloads in GPU memory are counted by a
+    Triton kernel instead (:mod:`flower_dlion.gpu_kernels`: per-value counters in registers,
+    each payload byte read once) unless ``FLOWER_DLION_KERNELS=off``.
     """
     n = len(payloads)
     nbytes = packed_size(d)
     nwords = (nbytes + 7) // 8
     num_planes = max(1, n.bit_length())
+    if n and not _on_cpu(payloads) and (gpu := _gpu_kernels()) is not None:
+        return gpu.count_planes([as_uint8(p) for p in payloads], d)
     kernels = _kernels(d) if n and _on_cpu(payloads) else None
     if kernels is not None:
         planes_np = np.empty((num_planes, nwords), dtype=np.uint64)

@@ -207,9 +207,10 @@ def sync_prefixes(layers: str) -> tuple[str, ...]:
     return tuple(p.strip() for p in layers.split(",") if p.strip())
 
 
-def checksum(x: torch.Tensor) -> int:
+def checksum(x: torch.Tensor | np.ndarray) -> int:
     """CRC-32 of a float32 replica's bytes (equal replicas ⇔ equal bytes)."""
-    return zlib.crc32(np.ascontiguousarray(x.detach().cpu().numpy(), dtype=np.float32).tobytes())
+    a = x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else x
+    return zlib.crc32(np.ascontiguousarray(a, dtype=np.float32))
 
 
 _SIZES: weakref.WeakKeyDictionary[Message, int] = weakref.WeakKeyDictionary()

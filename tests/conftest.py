@@ -4,7 +4,11 @@ import os
 import tempfile
 
 import pytest
+import torch
 from flwr.supercore.task_identity import TaskIdentity
+
+if not torch.cuda.is_available():  # Triton kernels run in Triton's interpreter on CPU tensors (set before its import)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 # partitions cached by this session only (also in the processes it starts), never a user's old ones

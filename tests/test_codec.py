@@ -16,6 +16,8 @@ import flower_dlion
 from flower_dlion import codec
 
 HAVE_NUMBA = importlib.util.find_spec("numba") is not None
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 # every CPU path of pack and count runs twice: numpy ("off") and the fused kernels at any size ("on")
 MODES = ["off", pytest.param("on", marks=pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed"))]
 
@@ -257,13 +259,82 @@ def test_kernels_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(codec.KERNELS_ENV, "on")
     with pytest.raises(ImportError, match=r"FLOWER_DLION_KERNELS=on needs numba: pip install 'flower-dlion\[fast\]'"):
         codec.pack_signs(torch.ones(3))
+    monkeypatch.setitem(sys.modules, "flower_dlion.gpu_kernels", None)  # as if Triton were not installed
+    monkeypatch.delattr(flower_dlion, "gpu_kernels", raising=False)
+    with pytest.raises(ImportError, match="FLOWER_DLION_KERNELS=on needs Triton on a CUDA device"):
+        codec._gpu_kernels()
+    monkeypatch.setenv(codec.KERNELS_ENV, "auto")
+    assert codec._gpu_kernels() is None  # auto: tensor operations instead
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="Triton not installed")
+@settings(max_examples=40, deadline=None)
+@given(d=st.integers(0, 40_000), zeros=st.integers(0, 5), seed=st.integers(0, 2**31 - 1))
+def test_triton_pack_kernel_matches_numpy_packbits(d: int, zeros: int, seed: int) -> None:
+    # Prepare: random floats with +0.0, −0.0, NaN and infinities at random places (tiles of 8,192 values);
+    # on the GPU if there is one, else in Triton's interpreter (conftest sets TRITON_INTERPRET)
+    gen = torch.Generator().manual_seed(seed)
+    v = torch.randn(d, generator=gen)
+    if d:
+        idx = torch.randint(0, d, (zeros,), generator=gen)
+        v[idx] = torch.tensor([0.0, -0.0, float("nan"), float("inf"), -float("inf")])[:zeros]
+    from flower_dlion import gpu_kernels
+
+    # Execute
+    packed, has_zeros = gpu_kernels.pack_positive(v.to("cuda" if torch.cuda.is_available() else "cpu"))
+    # Assert: the bits of v > 0, MSB first; the flag says whether v has an exact zero
+    assert np.array_equal(packed.cpu().numpy(), np.packbits((v > 0).numpy(), bitorder="big"))
+    assert int(has_zeros) == int(bool((v == 0).any()))
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="Triton not installed")
+@settings(max_examples=40, deadline=None)
+@given(d=st.integers(1, 20_000), n=st.integers(1, 20), seed=st.integers(0, 2**31 - 1))
+def test_triton_vote_count_kernel_matches_the_numpy_path(d: int, n: int, seed: int) -> None:
+    # Prepare: n random payloads (padding bits too), on the GPU if there is one, else interpreted
+    rng = np.random.default_rng(seed)
+    payloads = [torch.from_numpy(rng.integers(0, 256, codec.packed_size(d), dtype=np.uint8)) for _ in range(n)]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    from flower_dlion import gpu_kernels
+
+    with kernels("off"):
+        counts, (gt, tie), planes = (
+            codec.count_ones(payloads, d),
+            codec.vote_masks(payloads, d),
+            codec.count_planes(payloads, d),
+        )
+    # Execute
+    on_device = [p.to(device) for p in payloads]
+    got_counts, (got_gt, got_tie) = gpu_kernels.count_ones(on_device, d), gpu_kernels.vote_masks(on_device, d)
+    got_planes = gpu_kernels.count_planes(on_device, d)
+    # Assert: the same counts, masks and planes as the numpy path
+    assert torch.equal(got_counts.cpu(), counts)
+    assert torch.equal(got_gt.cpu(), gt) and torch.equal(got_tie.cpu(), tie)
+    assert torch.equal(got_planes.cpu(), planes)
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="Triton not installed")
+def test_triton_vote_count_kernel_rejects_a_wrong_size() -> None:
+    from flower_dlion import gpu_kernels
+
+    with pytest.raises(ValueError, match=r"expected 2 packed bytes \(contiguous 1-D uint8\), got torch.uint8 \(3,\)"):
+        gpu_kernels.count_ones([torch.zeros(2, dtype=torch.uint8), torch.zeros(3, dtype=torch.uint8)], 9)
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="Triton not installed")
+def test_triton_pack_kernel_rejects_what_it_cannot_read() -> None:
+    from flower_dlion import gpu_kernels
+
+    with pytest.raises(ValueError, match=r"needs a contiguous 1-D float32 tensor, got torch.float64 \(4,\)"):
+        gpu_kernels.pack_positive(torch.ones(4, dtype=torch.float64))
 
 
 def test_codec_lion_and_quantizers_import_no_flwr() -> None:
     import subprocess
     import sys
 
-    modules = "flower_dlion.codec, flower_dlion.lion, flower_dlion.quantizers" + (", flower_dlion.kernels" * HAVE_NUMBA)
+    modules = "flower_dlion.codec, flower_dlion.lion, flower_dlion.quantizers"
+    modules += ", flower_dlion.kernels" * HAVE_NUMBA + ", flower_dlion.gpu_kernels" * HAVE_TRITON
     code = f"import sys, {modules}; print('flwr' in sys.modules)"
     assert (
         subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
@@ -271,7 +342,45 @@ def test_codec_lion_and_quantizers_import_no_flwr() -> None:
     )
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@CUDA
+@pytest.mark.parametrize("d", [1, 7, 8, 8193, 1_000_003])
+@pytest.mark.parametrize("zeros", [0, 5])
+def test_cuda_pack_kernel_and_tensor_path_agree(d: int, zeros: int) -> None:
+    # Prepare: on the GPU, with and without exact zeros (coin flips from the same CUDA generator)
+    gen = torch.Generator().manual_seed(d)
+    v = torch.randn(d, generator=gen)
+    v[torch.randint(0, d, (zeros,), generator=gen)] = torch.tensor([0.0, -0.0, float("nan"), float("inf"), 0.0])[:zeros]
+    out = {}
+    for mode in ("on", "off"):
+        # Execute
+        with kernels(mode):
+            out[mode] = codec.pack_signs(v.cuda(), torch.Generator(device="cuda").manual_seed(3))
+    # Assert: the same bytes on both paths; without zeros, the CPU's bytes too
+    assert out["on"].is_cuda and torch.equal(out["on"], out["off"])
+    if not bool((v == 0).any()):
+        assert torch.equal(out["on"].cpu(), codec.pack_signs(v))
+
+
+@CUDA
+@pytest.mark.parametrize("n", [1, 4, 64])
+def test_cuda_vote_counts_match_the_cpu(n: int) -> None:
+    # Prepare: n payloads of d = 10⁶ + 3 values (a partial last byte) on the GPU
+    d = 1_000_003
+    rng = np.random.default_rng(n)
+    payloads = [torch.from_numpy(rng.integers(0, 256, codec.packed_size(d), dtype=np.uint8)) for _ in range(n)]
+    expected = codec.count_ones(payloads, d), codec.vote_masks(payloads, d), codec.count_planes(payloads, d)
+    for mode in ("on", "off"):  # the Triton kernel and the tensor operations
+        # Execute
+        with kernels(mode):
+            on_gpu = [p.cuda() for p in payloads]
+            got = codec.count_ones(on_gpu, d), codec.vote_masks(on_gpu, d), codec.count_planes(on_gpu, d)
+        # Assert
+        assert got[0].is_cuda and torch.equal(got[0].cpu(), expected[0]), mode
+        assert torch.equal(got[1][0].cpu(), expected[1][0]) and torch.equal(got[1][1].cpu(), expected[1][1]), mode
+        assert torch.equal(got[2].cpu(), expected[2]), mode
+
+
+@CUDA
 def test_cuda_codec_matches_cpu_and_stays_on_device() -> None:
     gen = torch.Generator().manual_seed(0)
     v = torch.randn(1_000_003, generator=gen)

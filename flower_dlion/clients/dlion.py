@@ -115,20 +115,24 @@ def _state_arrays(state: ReplicaState) -> dict[str, torch.Tensor]:
     return {"x": state.x, "m": state.m} | ({"e": state.error} if state.error is not None else {})
 
 
-def save_state(context: Context, state: ReplicaState, momentum_dtype: str = "float32") -> None:
+def save_state(context: Context, state: ReplicaState, momentum_dtype: str = "float32") -> np.ndarray:
     """Store x, m (and e) and the version in ``context.state`` (kept by Flower across rounds).
 
     With ``momentum_dtype="bfloat16"`` m is stored in 2 bytes per value; it must already
     hold bfloat16-representable values (see :func:`train`), so nothing is lost here.
+    Returns the host copy of x it stored (a GPU client's checksum reads it: x leaves the
+    device once per message, not twice).
     """
-    arrays = _state_arrays(state)
-    record = {k: Array(v.detach().cpu().numpy()) for k, v in arrays.items()}
-    if momentum_dtype == "bfloat16":
-        record["m"] = Array(state.m.detach().to(torch.bfloat16).view(torch.int16).cpu().numpy())
-    context.state[STATE_ARRAYS] = ArrayRecord(record)
+    bf16 = momentum_dtype == "bfloat16"  # m as the raw 16 bits of bfloat16 (numpy has no bfloat16)
+    host = {
+        k: (v.detach().to(torch.bfloat16).view(torch.int16) if k == "m" and bf16 else v.detach()).cpu().numpy()
+        for k, v in _state_arrays(state).items()
+    }
+    context.state[STATE_ARRAYS] = ArrayRecord({k: Array(a) for k, a in host.items()})
     context.state[STATE_META] = ConfigRecord(
         {"version": state.version, "round": state.round, "m-dtype": momentum_dtype}
     )
+    return host["x"]
 
 
 # ---------------------------------------------------------------- state files (client-state-dir)
@@ -376,6 +380,10 @@ def train(msg: Message, context: Context) -> Message:
     if sync:
         arrays["momentum"] = Array(state.m[mask].cpu().numpy())
 
+    state.round = server_round
+    if settings["momentum-dtype"] == "bfloat16":  # m rounded once per round, the same on every path
+        state.m = state.m.to(torch.bfloat16).float()
+    x_host = save_state(context, state, settings["momentum-dtype"])  # 5. persist for the next round
     reply = RecordDict(
         {
             DELTA: ArrayRecord(arrays),
@@ -384,15 +392,11 @@ def train(msg: Message, context: Context) -> Message:
                     "num-examples": num_examples,
                     "train-loss": sum(losses) / len(losses),
                     "version": state.version,
-                    "checksum": checksum(state.x),
+                    "checksum": checksum(x_host),
                 }
             ),
         }
     )
-    state.round = server_round
-    if settings["momentum-dtype"] == "bfloat16":  # m rounded once per round, the same on every path
-        state.m = state.m.to(torch.bfloat16).float()
-    save_state(context, state, settings["momentum-dtype"])  # 5. persist for the next round
     folder = _state_folder(settings, str(cfg.get("state-key", "")), pid)
     if folder is not None:
         _write_state_file(folder, state, int(cfg.get("keep-round", 0)))
