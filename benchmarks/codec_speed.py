@@ -160,8 +160,8 @@ def bench_aggregate(
             planes, nwords = n.bit_length(), (nbytes + 7) // 8
             if device.type == "cuda":  # two masks and the table of payload addresses
                 extra = 2 * nbytes + 8 * n
-            elif HAVE_NUMBA:  # two masks + per thread 2B + 1 chunk planes of 8 kB
-                extra = 2 * 8 * nwords + torch.get_num_threads() * (2 * planes + 1) * 8 * 1024
+            elif HAVE_NUMBA:  # two masks + per thread the counters: 2·max(B, 3) + 2 chunk planes of 8 kB
+                extra = 2 * 8 * nwords + torch.get_num_threads() * (2 * max(planes, 3) + 2) * 8 * 1024
             else:  # B + 1 planes + 2B + 8 chunk buffers, then the two masks
                 extra = (planes + 3) * 8 * nwords + (2 * planes + 8) * 8 * min(1 << 16, nwords)
             print(row + f"| {extra / 1e6:.1f} MB ({extra / d:.2f} B/value) |")

@@ -2,14 +2,22 @@
 
 Optional: :mod:`flower_dlion.codec` uses them when numba is installed (the ``fast`` extra)
 and falls back to numpy otherwise, with bit-identical results (the tests run both). Imports
-numpy and numba only. Each kernel works on a range of its output, releases the GIL, and is
-called by the codec on torch's CPU threads, one range per thread; numba's own threading
-layer is not used, so the kernels are safe to call from any number of threads at once.
+numpy and numba only (and llvmlite, numba's code generator, for one vector compare). Each
+kernel works on a range of its output, releases the GIL, and is called by the codec on
+torch's CPU threads, one range per thread; numba's own threading layer is not used, so the
+kernels are safe to call from any number of threads at once.
 
 Why fused: numpy does "compare" and "pack" as two passes, and the fallback's bit-sliced vote
 is five torch operations per pair of payloads on 512 kB chunks; here each value (each payload
-word) is read from memory once and everything else happens in registers or cache. Small
-helpers on contiguous 1-D slices keep the loops simple enough for LLVM to vectorize them.
+word) is read from memory once and everything else happens in registers or cache.
+
+- Pack: 64 floats at a time, one 64-lane compare straight into a 64-bit mask (AVX-512 mask
+  registers or AVX2 ``movmskps``), the bits put in MSB-first order by three swaps, one
+  uint64 store.
+- Count: a chunk of payload words at a time, eight payloads per pass through a tree of
+  seven carry-save adders (Harley–Seal) into the counter planes of weight 1, 2 and 4; the
+  carry plane of weight 8 goes up once per eight payloads. Small helpers on contiguous 1-D
+  slices keep the loops simple enough for LLVM to vectorize them.
 
 Safety: the count kernels read the payloads through raw addresses (``addresses``, int64),
 so that n payloads need no n × d array and no copy; the caller (:class:`codec._KernelWords`)
@@ -20,55 +28,76 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-__all__ = ["BLOCK", "CHUNK_WORDS", "count_ones", "count_planes", "pack_positive", "vote_masks"]
+__all__ = ["BLOCK", "CHUNK_WORDS", "count_ones", "count_planes", "pack_positive", "scratch", "vote_masks"]
 
-BLOCK = 4096  # float32 values compared per block (16 kB; 512 packed bytes)
+BLOCK = 64  # float32 values packed per group: one 64-lane compare, one uint64 of bits
 CHUNK_WORDS = 1024  # int64 words counted per chunk (8 kB per plane: the counters stay in L2)
-_MAGIC = np.uint64(0x8040201008040201)  # 8 bytes of 0/1 × this, top byte = the 8 bits, MSB first
+_ODD, _PAIRS = np.uint64(0x5555555555555555), np.uint64(0x3333333333333333)  # bit masks for _msb_first
+_NIBBLES = np.uint64(0x0F0F0F0F0F0F0F0F)
 
 _jit = numba.njit(nogil=True, cache=True, boundscheck=False)
 
 
 # ------------------------------------------------------------------------------- pack
-@_jit
-def _compare(v: np.ndarray, bits: np.ndarray) -> np.uint8:
-    """bits[i] = v[i] > 0; returns 1 if some v[i] is an exact zero."""
-    zero = np.uint8(0)
-    for i in range(v.size):
-        x = v[i]
-        bits[i] = x > 0  # the sign bit: 1 for v > 0
-        zero |= x == 0  # exact zeros get a coin flip later
-    return zero
+@intrinsic
+def _signs64(typingctx: object, v: types.Array, start: types.Integer) -> tuple:
+    """Bit masks of ``v[start : start+64] > 0`` and ``== 0`` as two uint64 (value i at bit i).
+
+    One 64-lane vector compare each (LLVM: four AVX-512 compares into mask registers, or
+    eight AVX2 compares and ``movmskps``): the signs never pass through bytes. Ordered
+    compares, so NaN gives 0 in both masks, as numpy's ``>`` and ``==`` do. ``v`` must be
+    C-contiguous float32 with 64 values from ``start`` on.
+    """
+    if not (isinstance(v, types.Array) and v.dtype == types.float32 and v.layout == "C"):
+        return None
+    sig = types.UniTuple(types.uint64, 2)(v, start)
+
+    def codegen(context: object, builder: object, signature: object, args: tuple) -> object:
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        lanes = ir.VectorType(ir.FloatType(), 64)
+        x = builder.load(builder.bitcast(builder.gep(data, [args[1]]), lanes.as_pointer()), align=4)
+        zero, word = ir.Constant(lanes, None), ir.IntType(64)
+        gt = builder.bitcast(builder.fcmp_ordered(">", x, zero), word)
+        eq = builder.bitcast(builder.fcmp_ordered("==", x, zero), word)
+        return context.make_tuple(builder, signature.return_type, [gt, eq])
+
+    return sig, codegen
 
 
 @_jit
-def _pack_bytes(bits: np.ndarray, out: np.ndarray) -> None:
-    """out[k] = the 8 bytes bits[8k : 8k+8] (each 0 or 1) as one byte, MSB first."""
-    words = bits.view(np.uint64)
-    for k in range(out.size):
-        out[k] = np.uint8((words[k] * _MAGIC) >> np.uint64(56))
+def _msb_first(w: np.uint64) -> np.uint64:
+    """Reverse the bit order inside each byte of ``w`` (value i at bit 7 − i%8 of byte i//8)."""
+    w = ((w >> np.uint64(1)) & _ODD) | ((w & _ODD) << np.uint64(1))  # swap neighbouring bits
+    w = ((w >> np.uint64(2)) & _PAIRS) | ((w & _PAIRS) << np.uint64(2))  # swap pairs
+    return ((w >> np.uint64(4)) & _NIBBLES) | ((w & _NIBBLES) << np.uint64(4))  # swap nibbles
 
 
 @_jit
 def pack_positive(v: np.ndarray, out: np.ndarray, first: int, last: int) -> bool:
-    """Pack ``v > 0`` for blocks ``first … last−1`` of :data:`BLOCK` values into ``out``.
+    """Pack ``v > 0`` for the groups ``first … last−1`` of :data:`BLOCK` (64) values into ``out``.
 
-    ``v`` is float32 of length d, ``out`` uint8 of length ⌈d/8⌉ (the last byte's spare bits
-    are 0). Returns whether these blocks hold an exact zero.
+    ``v`` is C-contiguous float32 of length d, ``out`` uint8 of length ⌈d/8⌉ (a partial last
+    byte's spare bits are 0). A whole group is one 64-lane compare and one uint64 store; a
+    partial last group goes value by value. Returns whether these groups hold an exact zero.
     """
     d = v.size
-    bits = np.zeros(BLOCK, np.uint8)
-    zero = np.uint8(0)
-    for b in range(first, last):
-        start = b * BLOCK
-        m = min(BLOCK, d - start)
-        zero |= _compare(v[start : start + m], bits[:m])
-        nbytes = (m + 7) // 8
-        bits[m : 8 * nbytes] = 0  # a partial last byte is padded with 0 bits
-        _pack_bytes(bits[: 8 * nbytes], out[start // 8 : start // 8 + nbytes])
+    whole = d // BLOCK
+    words = out[: 8 * whole].view(np.uint64)  # group k is word k: 8 bytes, little-endian
+    zero = np.uint64(0)
+    for k in range(first, min(last, whole)):
+        gt, eq = _signs64(v, BLOCK * k)
+        words[k] = _msb_first(gt)  # bitcast order (value i at bit i) → packbits order (MSB first)
+        zero |= eq  # exact zeros get a coin flip later
+    if last > whole:  # the partial last group
+        out[8 * whole :] = 0
+        for i in range(BLOCK * whole, d):
+            x = v[i]
+            out[i >> 3] |= np.uint8(x > 0) << np.uint8(7 - (i & 7))
+            zero |= np.uint64(x == 0)
     return zero != 0
 
 
@@ -130,13 +159,17 @@ def _carry_up(acc: np.ndarray, pending: np.ndarray, has: np.ndarray, k: int, car
 
 @_jit
 def _emit_vote(acc: np.ndarray, m: int, n: int, gt: np.ndarray, tie: np.ndarray) -> None:
-    """Packed masks count > n/2 and count = n/2 of the first ``m`` words, compared from the top plane down."""
+    """Packed masks count > n/2 and count = n/2 of the first ``m`` words, compared from the top plane down.
+
+    Planes B−1 … 3 (if any) take one pass each; the last three planes one pass together.
+    """
     threshold = n // 2  # count > n/2 ⇔ count > ⌊n/2⌋; a tie needs n even and count = n/2
-    for j in range(acc.shape[0] - 1, -1, -1):
+    top = acc.shape[0] - 1
+    for j in range(top, 2, -1):
         t = ~np.uint64(0) if (threshold >> j) & 1 else np.uint64(0)  # bit j of the threshold, on every lane
-        _compare_plane(acc[j, :m], t, gt, tie, j == acc.shape[0] - 1)
-    if n % 2:
-        tie[:] = 0  # no ties with an odd number of voters
+        _compare_plane(acc[j, :m], t, gt, tie, j == top)
+    t2, t1, t0 = [~np.uint64(0) if (threshold >> j) & 1 else np.uint64(0) for j in (2, 1, 0)]
+    _compare_low(acc[2, :m], acc[1, :m], acc[0, :m], t2, t1, t0, gt, tie, top == 2, n % 2 == 1)
 
 
 @_jit
@@ -157,6 +190,32 @@ def _compare_plane(bit: np.ndarray, t: np.uint64, gt: np.ndarray, eq: np.ndarray
 
 
 @_jit
+def _compare_low(
+    b2: np.ndarray,
+    b1: np.ndarray,
+    b0: np.ndarray,
+    t2: np.uint64,
+    t1: np.uint64,
+    t0: np.uint64,
+    gt: np.ndarray,
+    eq: np.ndarray,
+    top: bool,
+    odd: bool,
+) -> None:
+    """:func:`_compare_plane` for the planes of weight 4, 2, 1 in one pass; no ties if ``odd``."""
+    keep = np.uint64(0) if odd else ~np.uint64(0)
+    for i in range(b2.size):
+        g, e = (np.uint64(0), ~np.uint64(0)) if top else (gt[i], eq[i])
+        g |= e & b2[i] & ~t2
+        e &= ~(b2[i] ^ t2)
+        g |= e & b1[i] & ~t1
+        e &= ~(b1[i] ^ t1)
+        g |= e & b0[i] & ~t0
+        e &= ~(b0[i] ^ t0)
+        gt[i], eq[i] = g, e & keep
+
+
+@_jit
 def _emit_counts(acc: np.ndarray, m: int, counts: np.ndarray) -> None:
     """Per-coordinate counts (int32) of the first ``m`` words: coordinate 64·i + l is bit 8·(l//8) + 7 − l%8."""
     for i in range(m):
@@ -169,41 +228,162 @@ def _emit_counts(acc: np.ndarray, m: int, counts: np.ndarray) -> None:
 
 
 @_jit
+def _add8(
+    a0: np.ndarray,
+    a1: np.ndarray,
+    a2: np.ndarray,
+    eights: np.ndarray,
+    x0: np.ndarray,
+    x1: np.ndarray,
+    x2: np.ndarray,
+    x3: np.ndarray,
+    x4: np.ndarray,
+    x5: np.ndarray,
+    x6: np.ndarray,
+    x7: np.ndarray,
+) -> None:
+    """Add eight payload planes to the counter planes of weight 1, 2, 4; the carry of weight 8 goes to ``eights``.
+
+    A tree of seven carry-save adders (Harley–Seal), all in registers: one pass over the
+    chunk reads each payload word once and each counter plane once.
+    """
+    for i in range(a0.size):
+        ones, u = a0[i], x0[i] ^ x1[i]
+        t1, ones = (x0[i] & x1[i]) | (ones & u), ones ^ u  # 1s + x0 + x1 → ones, twos t1
+        u = x2[i] ^ x3[i]
+        t2, ones = (x2[i] & x3[i]) | (ones & u), ones ^ u
+        twos, u = a1[i], t1 ^ t2
+        f1, twos = (t1 & t2) | (twos & u), twos ^ u  # 2s + t1 + t2 → twos, fours f1
+        u = x4[i] ^ x5[i]
+        t1, ones = (x4[i] & x5[i]) | (ones & u), ones ^ u
+        u = x6[i] ^ x7[i]
+        t2, ones = (x6[i] & x7[i]) | (ones & u), ones ^ u
+        u = t1 ^ t2
+        f2, twos = (t1 & t2) | (twos & u), twos ^ u
+        fours, u = a2[i], f1 ^ f2
+        eights[i], fours = (f1 & f2) | (fours & u), fours ^ u  # 4s + f1 + f2 → fours, eights
+        a0[i], a1[i], a2[i] = ones, twos, fours
+
+
+@_jit
+def _add4(
+    a0: np.ndarray,
+    a1: np.ndarray,
+    a2: np.ndarray,
+    eights: np.ndarray,
+    x0: np.ndarray,
+    x1: np.ndarray,
+    x2: np.ndarray,
+    x3: np.ndarray,
+) -> None:
+    """Like :func:`_add8` for four payload planes."""
+    for i in range(a0.size):
+        ones, u = a0[i], x0[i] ^ x1[i]
+        t1, ones = (x0[i] & x1[i]) | (ones & u), ones ^ u
+        u = x2[i] ^ x3[i]
+        t2, ones = (x2[i] & x3[i]) | (ones & u), ones ^ u
+        twos, u = a1[i], t1 ^ t2
+        f, twos = (t1 & t2) | (twos & u), twos ^ u
+        fours = a2[i]
+        eights[i], fours = fours & f, fours ^ f  # 4s + f → fours, eights
+        a0[i], a1[i], a2[i] = ones, twos, fours
+
+
+@_jit
+def _add2(a0: np.ndarray, a1: np.ndarray, a2: np.ndarray, eights: np.ndarray, x0: np.ndarray, x1: np.ndarray) -> None:
+    """Like :func:`_add8` for two payload planes (the twos carry rippled up)."""
+    for i in range(a0.size):
+        ones, u = a0[i], x0[i] ^ x1[i]
+        t, ones = (x0[i] & x1[i]) | (ones & u), ones ^ u
+        twos = a1[i]
+        f, twos = twos & t, twos ^ t
+        fours = a2[i]
+        eights[i], fours = fours & f, fours ^ f
+        a0[i], a1[i], a2[i] = ones, twos, fours
+
+
+@_jit
+def _add1(a0: np.ndarray, a1: np.ndarray, a2: np.ndarray, eights: np.ndarray, x: np.ndarray) -> None:
+    """Like :func:`_add8` for one payload plane (a ripple of half adders)."""
+    for i in range(a0.size):
+        ones = a0[i]
+        t, ones = ones & x[i], ones ^ x[i]
+        twos = a1[i]
+        f, twos = twos & t, twos ^ t
+        fours = a2[i]
+        eights[i], fours = fours & f, fours ^ f
+        a0[i], a1[i], a2[i] = ones, twos, fours
+
+
+@_jit
 def _count_chunk(
     addresses: np.ndarray, start: int, m: int, acc: np.ndarray, pending: np.ndarray, has: np.ndarray, carry: np.ndarray
 ) -> None:
-    """Bit-sliced counts of words ``start … start+m−1`` over all payloads into ``acc[:, :m]`` (plane j = bit j)."""
+    """Bit-sliced counts of words ``start … start+m−1`` over all payloads into ``acc[:, :m]`` (plane j = bit j).
+
+    Payloads go eight at a time (then 4, 2, 1) into the planes of weight 1, 2 and 4
+    (``acc`` has at least three); each carry plane of weight 8 joins the planes above
+    through :func:`_carry_up`, which happens once per eight payloads.
+    """
     n = addresses.size
-    acc[:] = 0
-    for p in range(0, n - 1, 2):  # two payloads at a time through a carry-save adder
-        _full_add(acc[0, :m], _payload(addresses, p, start, m), _payload(addresses, p + 1, start, m), carry[0, :m])
-        _carry_up(acc, pending, has, 1, carry, m)
-    if n % 2:
-        _half_add(acc[0, :m], _payload(addresses, n - 1, start, m), carry[0, :m])
-        _carry_up(acc, pending, has, 1, carry, m)
-    for k in range(1, acc.shape[0]):  # half-add the planes left pending, lowest weight first
+    acc[:, :m] = 0
+    a0, a1, a2, eights = acc[0, :m], acc[1, :m], acc[2, :m], carry[0, :m]
+    done = 0
+    while n - done >= 8:
+        x0, x1 = _payload(addresses, done, start, m), _payload(addresses, done + 1, start, m)
+        x2, x3 = _payload(addresses, done + 2, start, m), _payload(addresses, done + 3, start, m)
+        x4, x5 = _payload(addresses, done + 4, start, m), _payload(addresses, done + 5, start, m)
+        x6, x7 = _payload(addresses, done + 6, start, m), _payload(addresses, done + 7, start, m)
+        _add8(a0, a1, a2, eights, x0, x1, x2, x3, x4, x5, x6, x7)
+        done += 8
+        _carry_up(acc, pending, has, 3, carry, m)
+    for size in (4, 2, 1):
+        if n - done >= size:
+            if size == 4:
+                x0, x1 = _payload(addresses, done, start, m), _payload(addresses, done + 1, start, m)
+                x2, x3 = _payload(addresses, done + 2, start, m), _payload(addresses, done + 3, start, m)
+                _add4(a0, a1, a2, eights, x0, x1, x2, x3)
+            elif size == 2:
+                _add2(a0, a1, a2, eights, _payload(addresses, done, start, m), _payload(addresses, done + 1, start, m))
+            else:
+                _add1(a0, a1, a2, eights, _payload(addresses, done, start, m))
+            done += size
+            if done >= 8:  # below 8 payloads no carry of weight 8 can occur
+                _carry_up(acc, pending, has, 3, carry, m)
+    for k in range(3, acc.shape[0]):  # half-add the planes left pending, lowest weight first
         if has[k]:
             has[k] = False
             _half_add(acc[k, :m], pending[k, :m], carry[0, :m])
             _carry_up(acc, pending, has, k + 1, carry, m)
 
 
-@_jit
-def _scratch(num_planes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """One thread's counters: acc and pending planes, which levels are pending, two carry buffers."""
-    acc, pending = np.empty((num_planes, CHUNK_WORDS), np.uint64), np.empty((num_planes, CHUNK_WORDS), np.uint64)
-    return acc, pending, np.zeros(num_planes, np.bool_), np.empty((2, CHUNK_WORDS), np.uint64)
+def scratch(num_planes: int) -> np.ndarray:
+    """One thread's counters for B = ``num_planes`` planes, to pass to the count kernels.
+
+    Rows: P = max(B, 3) accumulator planes (the adders of :func:`_count_chunk` always write
+    weights 1, 2, 4; planes above B stay 0), P pending planes, two carry buffers. The caller
+    keeps one per thread and reuses it: allocating it on every call costs page faults.
+    """
+    planes = max(num_planes, 3)
+    return np.empty((2 * planes + 2, CHUNK_WORDS), np.uint64)
 
 
 @_jit
-def count_planes(addresses: np.ndarray, first: int, last: int, planes: np.ndarray) -> None:
+def _split(scratch: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The rows of :func:`scratch` as (acc, pending, which levels are pending, carry)."""
+    planes = (scratch.shape[0] - 2) // 2
+    return scratch[:planes], scratch[planes : 2 * planes], np.zeros(planes, np.bool_), scratch[2 * planes :]
+
+
+@_jit
+def count_planes(addresses: np.ndarray, first: int, last: int, planes: np.ndarray, scratch: np.ndarray) -> None:
     """Count 1 bits over the payloads at ``addresses`` (int64 words each) for words ``first … last−1``.
 
     Writes the bit-sliced counts into ``planes`` (B, words), B = ``planes.shape[0]``: plane j
     holds bit j of each coordinate's count. Only the planes leave the cache.
     """
     b = planes.shape[0]
-    acc, pending, has, carry = _scratch(b)
+    acc, pending, has, carry = _split(scratch)
     for start in range(first, last, CHUNK_WORDS):
         m = min(CHUNK_WORDS, last - start)
         _count_chunk(addresses, start, m, acc, pending, has, carry)
@@ -212,9 +392,11 @@ def count_planes(addresses: np.ndarray, first: int, last: int, planes: np.ndarra
 
 
 @_jit
-def vote_masks(addresses: np.ndarray, num_planes: int, first: int, last: int, gt: np.ndarray, tie: np.ndarray) -> None:
+def vote_masks(
+    addresses: np.ndarray, first: int, last: int, gt: np.ndarray, tie: np.ndarray, scratch: np.ndarray
+) -> None:
     """Like :func:`count_planes`, but writes only the packed masks count > n/2 and count = n/2."""
-    acc, pending, has, carry = _scratch(num_planes)
+    acc, pending, has, carry = _split(scratch)
     for start in range(first, last, CHUNK_WORDS):
         m = min(CHUNK_WORDS, last - start)
         _count_chunk(addresses, start, m, acc, pending, has, carry)
@@ -222,9 +404,9 @@ def vote_masks(addresses: np.ndarray, num_planes: int, first: int, last: int, gt
 
 
 @_jit
-def count_ones(addresses: np.ndarray, num_planes: int, first: int, last: int, counts: np.ndarray) -> None:
+def count_ones(addresses: np.ndarray, first: int, last: int, counts: np.ndarray, scratch: np.ndarray) -> None:
     """Like :func:`count_planes`, but writes the int32 counts, 64 per word, into ``counts``."""
-    acc, pending, has, carry = _scratch(num_planes)
+    acc, pending, has, carry = _split(scratch)
     for start in range(first, last, CHUNK_WORDS):
         m = min(CHUNK_WORDS, last - start)
         _count_chunk(addresses, start, m, acc, pending, has, carry)
