@@ -122,8 +122,8 @@ def pack_signs(v: torch.Tensor, generator: torch.Generator | None = None) -> tor
     Exact zeros have no 1-bit code. Sending them all as one fixed side would push every
     such parameter the same way each round, so each zero is sent as a fair coin flip
     drawn from ``generator`` (unbiased; seed it for reproducible runs). On the CPU the
-    signs are compared and packed a cache-sized block at a time on torch's threads (one
-    read of ``v``), by the fused kernel where available; on a CUDA device by one Triton
+    signs are compared and packed on torch's threads in one read of ``v``: 64 at a time by
+    the fused kernel where available, else a cache-sized chunk at a time by numpy; on a CUDA device by one Triton
     kernel (one read of ``v``; reading its zero flag waits for it, as reading the bytes
     would); elsewhere, or with exact zeros, with tensor operations on ``v``'s device.
     """
@@ -133,9 +133,10 @@ def pack_signs(v: torch.Tensor, generator: torch.Generator | None = None) -> tor
         if not int(has_zeros):  # with zeros, the tensor-operation path below draws the coins
             return packed
     if v.device.type == "cpu" and v.dtype == torch.float32:
-        packed, has_zeros = _pack_positive_cpu(v.contiguous().numpy())  # one pass, on every core
+        host = v.contiguous().numpy()
+        packed, has_zeros = _pack_positive_cpu(host)  # one pass, on every core
         if has_zeros:  # set a coin flip's bit at each exact zero
-            where = np.flatnonzero(v.numpy() == 0)
+            where = np.flatnonzero(host == 0)
             coin = torch.randint(0, 2, (where.size,), generator=generator, dtype=torch.uint8).numpy()
             np.bitwise_or.at(packed, where >> 3, (coin << (7 - (where & 7))).astype(np.uint8))
         return torch.from_numpy(packed)
@@ -216,7 +217,7 @@ def _pack_positive_cpu(v: np.ndarray) -> tuple[np.ndarray, bool]:
     out = np.empty(packed_size(d), dtype=np.uint8)
     kernels = _kernels(d)
     if kernels is not None:
-        groups, grain = -(-d // kernels.BLOCK), (1 << 20) // kernels.BLOCK  # a thread wakes in ~60 µs: 2²⁰ values each
+        groups, grain = -(-d // kernels.BLOCK), (1 << 20) // kernels.BLOCK  # waking a thread costs tens of µs
         return out, any(_on_threads(lambda a, b: kernels.pack_positive(v, out, a, b), groups, grain))
 
     def work(first: int, last: int) -> bool:
@@ -258,9 +259,11 @@ def count_ones(payloads: Sequence[torch.Tensor | bytes | np.ndarray], d: int) ->
     nbytes, num_planes = packed_size(d), len(payloads).bit_length()
     counts = np.empty(64 * ((nbytes + 7) // 8), dtype=np.int32)  # 64 per word; the spare ones are cut off
     words = _KernelWords(payloads, nbytes)
-    words.run(lambda first, last: kernels.count_ones(words.addresses, first, last, counts, _scratch(num_planes)))
+    words.run(
+        lambda first, last: kernels.count_ones(words.addresses, first, last, counts, _scratch(kernels, num_planes))
+    )
     if words.tail is not None:
-        kernels.count_ones(words.tail, 0, 1, counts[64 * words.whole :], _scratch(num_planes))
+        kernels.count_ones(words.tail, 0, 1, counts[64 * words.whole :], _scratch(kernels, num_planes))
     return torch.from_numpy(counts[:d])
 
 
@@ -281,9 +284,9 @@ def vote_masks(payloads: Sequence[torch.Tensor | bytes | np.ndarray], d: int) ->
     gt, tie = np.empty((2, (nbytes + 7) // 8), dtype=np.uint64)  # one allocation for both masks
     words = _KernelWords(payloads, nbytes)
     planes = n.bit_length()
-    words.run(lambda first, last: kernels.vote_masks(words.addresses, first, last, gt, tie, _scratch(planes)))
+    words.run(lambda first, last: kernels.vote_masks(words.addresses, first, last, gt, tie, _scratch(kernels, planes)))
     if words.tail is not None:
-        kernels.vote_masks(words.tail, 0, 1, gt[words.whole :], tie[words.whole :], _scratch(planes))
+        kernels.vote_masks(words.tail, 0, 1, gt[words.whole :], tie[words.whole :], _scratch(kernels, planes))
     return torch.from_numpy(gt.view(np.uint8)[:nbytes]), torch.from_numpy(tie.view(np.uint8)[:nbytes])
 
 
@@ -291,11 +294,11 @@ def vote_masks(payloads: Sequence[torch.Tensor | bytes | np.ndarray], d: int) ->
 _THREAD = threading.local()  # per thread: the count kernels' scratch planes, by number of planes
 
 
-def _scratch(num_planes: int) -> np.ndarray:
-    """The calling thread's :func:`kernels.scratch` for ``num_planes`` planes, allocated once and reused."""
+def _scratch(kernels: ModuleType, num_planes: int) -> np.ndarray:
+    """The calling thread's ``kernels.scratch(num_planes)``, allocated once and reused."""
     cache = _THREAD.__dict__.setdefault("scratch", {})
     if num_planes not in cache:
-        cache[num_planes] = importlib.import_module(f"{__package__}.kernels").scratch(num_planes)
+        cache[num_planes] = kernels.scratch(num_planes)
     return cache[num_planes]
 
 
@@ -376,11 +379,13 @@ def count_planes(
         planes_np = np.empty((num_planes, nwords), dtype=np.uint64)
         words = _KernelWords(payloads, nbytes)
         words.run(
-            lambda first, last: kernels.count_planes(words.addresses, first, last, planes_np, _scratch(num_planes))
+            lambda first, last: kernels.count_planes(
+                words.addresses, first, last, planes_np, _scratch(kernels, num_planes)
+            )
         )
         if words.tail is not None:
             last = np.empty((num_planes, 1), dtype=np.uint64)
-            kernels.count_planes(words.tail, 0, 1, last, _scratch(num_planes))
+            kernels.count_planes(words.tail, 0, 1, last, _scratch(kernels, num_planes))
             planes_np[:, words.whole] = last[:, 0]
         return torch.from_numpy(planes_np).view(torch.uint8)[:, :nbytes]
     device = as_uint8(payloads[0]).device if n else torch.device("cpu")
