@@ -2,8 +2,9 @@
 
 1. Client pack: ``codec.pack_signs(v)`` (sign of the Lion mix v, bit-packed) against a
    float32 reduction ``v.sum()`` over the same tensor, with the fused kernel and with numpy;
-   also the whole client direction (``lion.direction`` from m and g, then the pack), which
-   reads two tensors.
+   also the client's whole step from m and g (δ and the momentum update): composed
+   (``lion.local_step_``, then the pack) and fused into one pass (``codec.pack_local_step_``),
+   which reads two tensors and writes one.
 2. Server aggregation of n packed payloads: the vote (``codec.vote_masks``: bit-sliced,
    never unpacked) and the mean (``codec.count_planes``: its planes are the mean's encoded
    levels) against an XOR-reduce over the same packed bytes (``acc ^= payload`` on int64
@@ -11,6 +12,8 @@
    counter, then sign / encode; the vote also with numpy instead of the kernels.
 3. The strategy's count (``codec.count_ones``: int32 vote counts, the sum S = 2·count − n
    comes from it) with the kernels and with numpy, against writing d int32 zeros.
+4. Applying Δ from its levels (``codec.apply_levels_``, on the server and on every client)
+   against the composition it replaces and against ``x.mul_(c)`` alone (``--apply``).
 
 On the CPU "kernel" means ``FLOWER_DLION_KERNELS=on`` (numba's fused kernels at every size;
 the codec's default ``auto`` uses them from 2²⁰ values up) and "numpy" means ``off``. On a
@@ -20,6 +23,7 @@ Each figure is the median of ``--repeat`` runs; ratios are printed against the r
 of the same run. Usage::
 
     python benchmarks/codec_speed.py [--device cpu|cuda] [--sizes 1e6,1e7,1e8] [--clients 4,16,64,256]
+        [--counts] [--apply] [--count-sizes 281031,1e7]
 """
 
 from __future__ import annotations
@@ -85,16 +89,25 @@ def xor_reduce(words: list[torch.Tensor]) -> torch.Tensor:
     return acc
 
 
-def direction_and_pack(m: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """The client's δ path: the Lion direction from m and g, then the pack."""
-    return codec.pack_signs(lion.direction(m, g, 0.9))
+def step_then_pack(m: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """The client's whole step, composed: δ and m ← β₂·m + (1−β₂)·g (``lion.local_step_``), then the pack."""
+    return codec.pack_signs(lion.local_step_(m, g, 0.9, 0.99))
+
+
+def fused_step(m: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """The same in one pass over m and g (``codec.pack_local_step_``; the fused kernel on the CPU)."""
+    return codec.pack_local_step_(m, g, 0.9, 0.99)
 
 
 def bench_pack(sizes: list[int], device: torch.device, repeat: int) -> None:
     print("\n## 1. Client pack: sign + bit-pack of d float32 values, against v.sum() over the same tensor\n")
     unfused = "numpy" if device.type == "cpu" else "tensor ops"
-    print(f"| d | v.sum() | pack, kernel | ratio | pack, {unfused} | ratio | direction(m, g) + pack | ratio |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(
+        f"| d | v.sum() | pack, kernel | ratio | pack, {unfused} | ratio "
+        "| Lion step, then pack | ratio | Lion step + pack, fused | ratio | composed / fused "
+        "| momentum update alone | fused / it |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     gen = torch.Generator(device=device).manual_seed(0)
     for d in sizes:
         m = torch.randn(d, generator=gen, device=device)
@@ -103,12 +116,21 @@ def bench_pack(sizes: list[int], device: torch.device, repeat: int) -> None:
         t_sum = timeit(torch.sum, (v,), repeat, device)
         with kernels("on" if HAVE_NUMBA or device.type == "cuda" else "off"):
             t_pack = timeit(codec.pack_signs, (v,), repeat, device)
-            t_dir = timeit(direction_and_pack, (m, g), repeat, device)
+            t_step = timeit(step_then_pack, (m, g), repeat, device)
+            t_momentum = timeit(lion.update_momentum_, (m, g, 0.99), repeat, device)  # torch: m.mul_(β₂).add_(g, …)
+            fused = "– | – | – | –"  # no fused step off the CPU (there the composition runs)
+            if device.type == "cpu" and HAVE_NUMBA:
+                t_fused = timeit(fused_step, (m, g), repeat, device)
+                fused = (
+                    f"{t_fused * 1e3:.3f} ms | **{t_fused / t_sum:.2f}×** | **{t_step / t_fused:.1f}×** "
+                    f"| {t_momentum * 1e3:.3f} ms | {t_fused / t_momentum:.2f}×"
+                )
         with kernels("off"):
             t_numpy = timeit(codec.pack_signs, (v,), repeat, device)
         print(
             f"| {d:.0e} | {t_sum * 1e3:.3f} ms | {t_pack * 1e3:.3f} ms | **{t_pack / t_sum:.2f}×** "
-            f"| {t_numpy * 1e3:.3f} ms | {t_numpy / t_sum:.2f}× | {t_dir * 1e3:.3f} ms | {t_dir / t_sum:.2f}× |"
+            f"| {t_numpy * 1e3:.3f} ms | {t_numpy / t_sum:.2f}× | {t_step * 1e3:.3f} ms | {t_step / t_sum:.2f}× "
+            f"| {fused} |"
         )
         del m, g, v
 
@@ -189,6 +211,35 @@ def bench_counts(sizes: list[int], clients: list[int], repeat: int) -> None:
             )
 
 
+def compose_apply(x: torch.Tensor, levels: torch.Tensor, num_levels: int) -> torch.Tensor:
+    """Δ from its levels, then x ← x − lr·(Δ + wd·x): the composition ``codec.apply_levels_`` replaces."""
+    return lion.apply_update_(x, codec.levels_to_values(levels, num_levels), 0.01, 0.1)
+
+
+def bench_apply(sizes: list[int], repeat: int) -> None:
+    print("\n## 4. Applying Δ from its levels (the server and every client, every round), against x.mul_(c)\n")
+    print(
+        "| d | L | x.mul_(c) | apply_levels_, kernel | / mul_ | levels_to_values + apply_update_ "
+        "| / mul_ | composed / kernel |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    cpu = torch.device("cpu")
+    for d in sizes:
+        d += 3
+        x = torch.randn(d, generator=torch.Generator().manual_seed(d))
+        for num_levels in (3, 11):  # the vote with ties; the mean of 10 signs
+            levels = torch.randint(0, num_levels, (d,), dtype=torch.int32)
+            t_mul = timeit(x.mul_, (0.999,), repeat, cpu)
+            with kernels("on" if HAVE_NUMBA else "off"):
+                t_kernel = timeit(codec.apply_levels_, (x, levels, num_levels, 0.01, 0.1), repeat, cpu)
+            t_comp = timeit(compose_apply, (x, levels, num_levels), repeat, cpu)
+            print(
+                f"| {d:,} | {num_levels} | {t_mul * 1e3:.2f} ms | {t_kernel * 1e3:.2f} ms "
+                f"| **{t_kernel / t_mul:.2f}×** | {t_comp * 1e3:.2f} ms | {t_comp / t_mul:.2f}× "
+                f"| **{t_comp / t_kernel:.1f}×** |"
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
@@ -200,6 +251,7 @@ def main() -> None:
     parser.add_argument("--skip-aggregate", action="store_true")
     parser.add_argument("--counts", action="store_true", help="also section 3 (CPU only), for --count-sizes")
     parser.add_argument("--count-sizes", default="281031,1e7")
+    parser.add_argument("--apply", action="store_true", help="also section 4 (CPU only), for --count-sizes")
     args = parser.parse_args()
     device = torch.device(args.device)
     sizes = [int(float(s)) // 64 * 64 for s in args.sizes.split(",")]
@@ -216,6 +268,8 @@ def main() -> None:
         bench_aggregate(sizes, clients, device, args.repeat, args.naive_limit)
     if args.counts:
         bench_counts([int(float(s)) for s in args.count_sizes.split(",")], [10, 64], args.repeat)
+    if args.apply:
+        bench_apply([int(float(s)) for s in args.count_sizes.split(",")], args.repeat)
 
 
 if __name__ == "__main__":

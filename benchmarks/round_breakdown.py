@@ -84,6 +84,7 @@ def instrument() -> None:
         patch(dlion_client, name, "client Lion/codec")
     patch(dlion_client.lion, "local_step_", "client Lion/codec")
     patch(dlion_client.codec, "pack_signs", "client Lion/codec")
+    patch(dlion_client.codec, "pack_local_step_", "client Lion/codec")
     patch(gradient_client, "encode_terngrad", "client Lion/codec")
     for name in ("load_state", "save_state"):
         patch(dlion_client, name, "client state (de)serialization")

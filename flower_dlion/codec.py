@@ -20,8 +20,10 @@ A broadcast Δ is sent as integer *levels* ``k ∈ {0, …, L-1}`` with
 possible (odd number of voters), the mean over n votes uses L = n + 1. The smallest of
 the formats above that fits L is used (:func:`level_format`).
 
-On the CPU, packing signs and counting votes run in fused kernels (:mod:`flower_dlion.kernels`,
-numba, the ``fast`` extra) when numba is installed, else in numpy; both give the same bytes.
+On the CPU, packing signs, a client's whole Lion step with its pack (:func:`pack_local_step_`),
+applying Δ from its levels (:func:`apply_levels_`) and counting votes run in fused kernels
+(:mod:`flower_dlion.kernels`, numba, the ``fast`` extra) when numba is installed, else in
+numpy or torch; both give the same bytes and floats.
 ``FLOWER_DLION_KERNELS`` picks: ``auto`` (default: the kernels from 2²⁰ values up, where they
 save more than a fresh process spends importing them), ``on`` (always; an error without
 numba) or ``off`` (numpy only). On a CUDA device the sign pack is one fused Triton kernel
@@ -47,6 +49,7 @@ import torch
 __all__ = [
     "SIGN1",
     "TRIT5",
+    "apply_levels_",
     "as_uint8",
     "count_ones",
     "count_planes",
@@ -57,6 +60,7 @@ __all__ = [
     "levels_to_values",
     "majority_masks",
     "pack_bits",
+    "pack_local_step_",
     "pack_signs",
     "packed_size",
     "planes_to_counts",
@@ -136,9 +140,7 @@ def pack_signs(v: torch.Tensor, generator: torch.Generator | None = None) -> tor
         host = v.contiguous().numpy()
         packed, has_zeros = _pack_positive_cpu(host)  # one pass, on every core
         if has_zeros:  # set a coin flip's bit at each exact zero
-            where = np.flatnonzero(host == 0)
-            coin = torch.randint(0, 2, (where.size,), generator=generator, dtype=torch.uint8).numpy()
-            np.bitwise_or.at(packed, where >> 3, (coin << (7 - (where & 7))).astype(np.uint8))
+            _set_coin_flips(packed, np.flatnonzero(host == 0), generator)
         return torch.from_numpy(packed)
     bits = v > 0
     zeros = v == 0
@@ -146,6 +148,113 @@ def pack_signs(v: torch.Tensor, generator: torch.Generator | None = None) -> tor
         coin = torch.randint(0, 2, (v.numel(),), generator=generator, device=v.device, dtype=torch.uint8)
         bits = torch.where(zeros, coin.bool(), bits)
     return pack_bits(bits)
+
+
+def _set_coin_flips(packed: np.ndarray, where: np.ndarray, generator: torch.Generator | None) -> None:
+    """Set a fair coin flip's bit at each (ascending) position ``where`` of the 0 bits in ``packed``."""
+    coin = torch.randint(0, 2, (where.size,), generator=generator, dtype=torch.uint8).numpy()
+    np.bitwise_or.at(packed, where >> 3, (coin << (7 - (where & 7))).astype(np.uint8))
+
+
+def pack_local_step_(
+    m: torch.Tensor, g: torch.Tensor, beta1: float, beta2: float, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """A worker's Lion step with its direction packed: ``pack_signs(lion.local_step_(m, g, β₁, β₂), generator)``.
+
+    Returns the ⌈d/8⌉ bytes of ``δ = sign(β₁·m + (1−β₁)·g)`` (zeros as coin flips, see
+    :func:`pack_signs`) and updates ``m ← β₂·m + (1−β₂)·g`` in place, exactly as the
+    composition does: the same bytes, the same coins from ``generator``, the same ``m`` bit
+    for bit. On the CPU with the kernels (float32, contiguous ``m``) it is one fused pass
+    that reads ``m`` and ``g`` once and writes ``m`` and the bits
+    (:func:`flower_dlion.kernels.lion_pack`), instead of five passes and a d-float temporary.
+    The fused step rounds like torch's ``add(alpha=)`` where that is one FMA (x86-64 with
+    AVX2 or AVX-512, Arm64); this is checked once per (β₁, β₂) on a probe against torch
+    itself, and where the two would differ the composition runs instead. Elsewhere (CUDA,
+    other dtypes) it is the composition.
+    """
+    d = m.numel()
+    fusable = m.device.type == g.device.type == "cpu" and m.dtype == g.dtype == torch.float32
+    kernels = _kernels(d) if fusable and m.is_contiguous() and g.numel() == d else None
+    if kernels is None or not _fused_step_matches_torch(kernels, beta1, beta2):
+        from .lion import local_step_  # the reference: lion.py imports torch only
+
+        return pack_signs(local_step_(m, g, beta1, beta2), generator)
+    mh, gh = m.reshape(-1).numpy(), g.reshape(-1).contiguous().numpy()
+    packed, zeros = np.empty(packed_size(d), dtype=np.uint8), np.zeros(-(-d // 64), dtype=np.uint64)
+    coefs = _lion_coefs(beta1, beta2)
+    found = _on_threads(lambda a, b: kernels.lion_pack(mh, gh, coefs, packed, zeros, a, b), zeros.size, 1 << 13)
+    if any(found):  # zero directions: coin flips, in the order pack_signs draws them
+        k = np.flatnonzero(zeros)
+        row, bit = np.nonzero(np.unpackbits(zeros[k].view(np.uint8), bitorder="little").reshape(-1, 64))
+        _set_coin_flips(packed, 64 * k[row] + bit, generator)
+    return torch.from_numpy(packed)
+
+
+def _lion_coefs(beta1: float, beta2: float) -> tuple[np.float32, ...]:
+    """``(β₁, 1−β₁, β₂, 1−β₂)`` as float32, as torch rounds a Python scalar for a float32 tensor."""
+    return tuple(np.float32(c) for c in (beta1, 1.0 - beta1, beta2, 1.0 - beta2))
+
+
+_FUSED_EXACT: dict[tuple[float, float], bool] = {}  # (β₁, β₂) → the fused step equals torch's on the probe
+
+
+def _fused_step_matches_torch(kernels: ModuleType, beta1: float, beta2: float) -> bool:
+    """Whether ``kernels.lion_pack`` gives torch's δ and m bit for bit (checked once per (β₁, β₂)).
+
+    The probe: 3·2¹⁵ + 45 values spanning many magnitudes (past one torch thread's range,
+    with a partial last group), run through both.
+    """
+    key = (float(beta1), float(beta2))
+    if key not in _FUSED_EXACT:
+        from .lion import local_step_
+
+        gen = torch.Generator().manual_seed(0)
+        d = 3 * 2**15 + 45
+        m = torch.randn(d, generator=gen) * torch.rand(d, generator=gen).mul(40).sub(20).exp2()
+        g = torch.randn(d, generator=gen) * torch.rand(d, generator=gen).mul(40).sub(20).exp2()
+        m_ref = m.clone()
+        expected = np.packbits((local_step_(m_ref, g, beta1, beta2) > 0).numpy(), bitorder="big")
+        mh, packed, zeros = m.numpy().copy(), np.empty(packed_size(d), np.uint8), np.zeros(-(-d // 64), np.uint64)
+        kernels.lion_pack(mh, g.numpy(), _lion_coefs(beta1, beta2), packed, zeros, 0, zeros.size)
+        same_m = np.array_equal(mh.view(np.int32), m_ref.numpy().view(np.int32))
+        _FUSED_EXACT[key] = same_m and np.array_equal(packed, expected)
+    return _FUSED_EXACT[key]
+
+
+def apply_levels_(
+    x: torch.Tensor, levels: torch.Tensor, num_levels: int, lr: float, weight_decay: float
+) -> torch.Tensor:
+    """In place: ``x ← x − lr·(Δ + wd·x)`` with Δ given as levels. Returns ``x``.
+
+    Exactly ``lion.apply_update_(x, levels_to_values(levels, L), lr, wd)``, bit for bit. On
+    the CPU with the kernels (float32, contiguous ``x``) it is one pass over ``x`` and the
+    levels (:func:`flower_dlion.kernels.apply_levels`) instead of seven passes and five
+    d-sized temporaries; each value goes through the same float32 operations, and the
+    L possible steps ``lr·Δ`` are compared with torch's own ones first (where torch would
+    round one differently, the composition runs). Elsewhere it is the composition.
+    A level outside ``0 … L−1`` is a ``ValueError``; the kernel finds it as it goes and
+    leaves ``x`` partly updated, so check untrusted levels first (:func:`decode_levels` does).
+    """
+    from .lion import apply_update_  # the reference: lion.py imports torch only
+
+    d, top = x.numel(), num_levels - 1
+    on_cpu = x.device.type == levels.device.type == "cpu" and x.dtype == torch.float32
+    kernels = _kernels(d) if on_cpu and x.is_contiguous() and levels.numel() == d and top >= 1 else None
+    lr32 = np.float32(lr)
+    if kernels is not None:  # torch's steps lr·Δ for every level against the kernel's float32 arithmetic
+        torch_steps = (levels_to_values(torch.arange(num_levels), num_levels) * lr).numpy()
+        steps = (np.arange(-top, top + 1, 2, dtype=np.int64).astype(np.float32) / np.float32(top)) * lr32
+        kernels = kernels if np.array_equal(steps.view(np.int32), torch_steps.view(np.int32)) else None
+    if kernels is None:
+        if levels.numel() and not 0 <= int(levels.min()) <= int(levels.max()) <= top:
+            raise ValueError(f"level outside 0…{top}: corrupted update")
+        return apply_update_(x, levels_to_values(levels, num_levels), lr, weight_decay)
+    decay = np.float32(1.0 - lr * weight_decay)  # the factor x.mul_ rounds to float32
+    xh, kh = x.reshape(-1).numpy(), levels.reshape(-1).contiguous().numpy()
+    worst = _on_threads(lambda a, b: kernels.apply_levels(xh, kh, top, lr32, decay, a, b), d, 1 << 19)
+    if max(worst, default=0) > top:
+        raise ValueError(f"level outside 0…{top}: corrupted update")
+    return x
 
 
 # ------------------------------------------------------------------ CPU: kernels and threads

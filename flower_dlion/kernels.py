@@ -14,6 +14,11 @@ word) is read from memory once and everything else happens in registers or cache
 - Pack: 64 floats at a time, one 64-lane compare straight into a 64-bit mask (AVX-512 mask
   registers or AVX2 ``movmskps``), the bits put in MSB-first order by three swaps, one
   uint64 store.
+- Lion step + pack (the client): m and g as two 64-lane vectors, the mix and the new momentum
+  by vector FMAs (rounded as torch's ``add(alpha=)`` is; the codec checks that first), m
+  stored back, the mix's signs packed as above.
+- Apply Δ (server and clients): ``x·decay − lr·(2k − top)/top`` from the levels k in one pass,
+  each operation rounded on its own as the torch composition does.
 - Count: a chunk of payload words at a time, eight payloads per pass through a tree of
   seven carry-save adders (Harley–Seal) into the counter planes of weight 1, 2 and 4; the
   carry plane of weight 8 goes up once per eight payloads. Small helpers on contiguous 1-D
@@ -30,9 +35,20 @@ import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["BLOCK", "CHUNK_WORDS", "count_ones", "count_planes", "pack_positive", "scratch", "vote_masks"]
+__all__ = [
+    "BLOCK",
+    "CHUNK_WORDS",
+    "apply_levels",
+    "count_ones",
+    "count_planes",
+    "lion_pack",
+    "pack_positive",
+    "scratch",
+    "vote_masks",
+]
 
 BLOCK = 64  # float32 values packed per group: one 64-lane compare, one uint64 of bits
 CHUNK_WORDS = 1024  # int64 words counted per chunk (8 kB per plane: the counters stay in L2)
@@ -99,6 +115,113 @@ def pack_positive(v: np.ndarray, out: np.ndarray, first: int, last: int) -> bool
             out[i >> 3] |= np.uint8(x > 0) << np.uint8(7 - (i & 7))
             zero |= np.uint64(x == 0)
     return zero != 0
+
+
+# ------------------------------------------------------------------ Lion step + pack
+def _splat(builder: ir.IRBuilder, x: ir.Value, lanes: ir.VectorType) -> ir.Value:
+    """A vector with ``x`` in every lane."""
+    index = ir.IntType(32)
+    one = builder.insert_element(ir.Constant(lanes, None), x, ir.Constant(index, 0))
+    return builder.shuffle_vector(one, ir.Constant(lanes, None), ir.Constant(ir.VectorType(index, lanes.count), None))
+
+
+@intrinsic
+def _lion64(typingctx: object, m: types.Array, g: types.Array, start: types.Integer, coefs: types.UniTuple) -> tuple:
+    """One Lion step on ``m[start : start+64]``, in place; returns δ's masks (value i at bit i).
+
+    ``coefs = (β₁, 1−β₁, β₂, 1−β₂)`` as float32. Rounds as torch's ``m.mul(β₁).add_(g,
+    alpha=1−β₁)`` does with FMA: ``c = fma(1−β₁, g, fl(β₁·m))`` and ``m ← fma(1−β₂, g,
+    fl(β₂·m))``, 64 lanes at a time. Masks: ``c > 0`` (ordered), and ``sign(c) = 0`` —
+    ``c = 0`` or NaN (unordered compare), as ``torch.sign`` gives 0 for NaN.
+    """
+    if not all(isinstance(a, types.Array) and a.dtype == types.float32 and a.layout == "C" for a in (m, g)):
+        return None
+    sig = types.UniTuple(types.uint64, 2)(m, g, start, coefs)
+
+    def codegen(context: object, builder: ir.IRBuilder, signature: object, args: tuple) -> object:
+        lanes, word = ir.VectorType(ir.FloatType(), 64), ir.IntType(64)
+        b1, a1, b2, a2 = (_splat(builder, builder.extract_value(args[3], i), lanes) for i in range(4))
+        ptrs = []
+        for a, typ in zip(args[:2], signature.args[:2], strict=True):
+            data = context.make_array(typ)(context, builder, a).data
+            ptrs.append(builder.bitcast(builder.gep(data, [args[2]]), lanes.as_pointer()))
+        mv, gv = (builder.load(ptr, align=4) for ptr in ptrs)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(lanes, [lanes] * 3), "llvm.fma.v64f32")
+        mix = builder.call(fma, [a1, gv, builder.fmul(b1, mv)])  # β₁·m + (1−β₁)·g
+        builder.store(builder.call(fma, [a2, gv, builder.fmul(b2, mv)]), ptrs[0], align=4)  # m ← β₂·m + (1−β₂)·g
+        zero = ir.Constant(lanes, None)
+        gt = builder.bitcast(builder.fcmp_ordered(">", mix, zero), word)
+        tie = builder.bitcast(builder.fcmp_unordered("==", mix, zero), word)
+        return context.make_tuple(builder, signature.return_type, [gt, tie])
+
+    return sig, codegen
+
+
+@_jit
+def lion_pack(
+    m: np.ndarray,
+    g: np.ndarray,
+    coefs: tuple[np.float32, np.float32, np.float32, np.float32],
+    out: np.ndarray,
+    zeros: np.ndarray,
+    first: int,
+    last: int,
+) -> bool:
+    """One Lion step fused with the pack, for the groups ``first … last−1`` of 64 values.
+
+    Writes the bits of ``δ = sign(β₁·m + (1−β₁)·g) > 0`` into ``out`` (uint8, ⌈d/8⌉, as
+    :func:`pack_positive`), updates ``m ← β₂·m + (1−β₂)·g`` in place (``m`` and ``g``
+    C-contiguous float32 of length d, read once), and stores group k's mask of zero
+    directions in ``zeros[k]`` (value i at bit i; uint64, ⌈d/64⌉, left alone where there
+    are none). ``coefs = (β₁, 1−β₁, β₂, 1−β₂)``. The partial last group goes through a
+    zero-padded copy. Returns whether these groups hold a zero direction.
+    """
+    d = m.size
+    whole = d // BLOCK
+    words = out[: 8 * whole].view(np.uint64)
+    found = np.uint64(0)
+    for k in range(first, min(last, whole)):
+        gt, tie = _lion64(m, g, BLOCK * k, coefs)
+        words[k] = _msb_first(gt)  # packbits order
+        if tie:
+            zeros[k] = tie
+            found |= tie
+    if last > whole:  # the partial last group: the same step on a zero-padded copy
+        rest = d - BLOCK * whole
+        pm, pg = np.zeros(BLOCK, np.float32), np.zeros(BLOCK, np.float32)
+        pm[:rest], pg[:rest] = m[BLOCK * whole :], g[BLOCK * whole :]
+        gt, tie = _lion64(pm, pg, 0, coefs)
+        m[BLOCK * whole :] = pm[:rest]
+        gt, tie = _msb_first(gt), tie & ((np.uint64(1) << np.uint64(rest)) - np.uint64(1))  # padding: mix = 0
+        for j in range(out.size - 8 * whole):  # little-endian: byte j of the word
+            out[8 * whole + j] = np.uint8((gt >> np.uint64(8 * j)) & np.uint64(0xFF))
+        if tie:
+            zeros[whole] = tie
+            found |= tie
+    return found != 0
+
+
+# ------------------------------------------------------------------------- apply Δ
+@_jit
+def apply_levels(
+    x: np.ndarray, levels: np.ndarray, top: int, lr: np.float32, decay: np.float32, first: int, last: int
+) -> int:
+    """``x ← x·decay − ((2k − top)/top)·lr`` with ``k = levels[i]``, for ``i`` in ``first … last−1``.
+
+    ``x`` float32 (in place), ``levels`` integers, ``top = L − 1``; ``lr`` and ``decay``
+    float32. Each operation is rounded to float32 on its own (numba never fuses them), as
+    the torch operations of ``lion.apply_update_(x, codec.levels_to_values(...))`` are.
+    Returns the largest level seen (as unsigned: a negative one is huge); the caller
+    checks it against ``top``.
+    """
+    xs, ks = x[first:last], levels[first:last]  # a loop from 0 is vectorized (no negative-index check)
+    topf = np.float32(top)
+    worst = np.uint32(0)
+    for i in range(xs.size):
+        k = ks[i]
+        worst = max(worst, np.uint32(k))
+        xs[i] = xs[i] * decay - np.float32(np.float32(2 * k - top) / topf) * lr  # x·(1 − lr·wd) − lr·Δ
+    return worst
 
 
 # ------------------------------------------------------------------------------ count

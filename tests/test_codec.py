@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import flower_dlion
-from flower_dlion import codec
+from flower_dlion import codec, lion
 
 HAVE_NUMBA = importlib.util.find_spec("numba") is not None
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
@@ -246,6 +246,164 @@ def test_kernel_counts_on_two_threads_with_a_partial_last_word(n: int) -> None:
     # Assert
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
     assert torch.equal(got[2][0], expected[2][0]) and torch.equal(got[2][1], expected[2][1])
+
+
+def _step_inputs(d: int, zeros: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Momentum and gradient spanning many magnitudes, with zero directions, −0.0, NaN and ±inf."""
+    gen = torch.Generator().manual_seed(seed)
+    m = torch.randn(d, generator=gen) * torch.rand(d, generator=gen).mul(30).sub(15).exp2()
+    g = torch.randn(d, generator=gen) * torch.rand(d, generator=gen).mul(30).sub(15).exp2()
+    idx = torch.randint(0, d, (zeros,), generator=gen)
+    m[idx] = torch.tensor([0.0, -0.0, 0.0, 1.0, -1.0]).repeat(zeros)[:zeros]
+    g[idx] = torch.tensor([0.0, 0.0, float("nan"), float("inf"), -float("inf")]).repeat(zeros)[:zeros]
+    return m, g
+
+
+def _same_floats(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit, except that any two NaNs match."""
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(a[~nan].view(torch.int32), b[~nan].view(torch.int32))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@settings(max_examples=60, deadline=None)
+@given(
+    d=st.integers(1, 200_000),
+    zeros=st.integers(0, 40),
+    seed=st.integers(0, 2**31 - 1),
+    betas=st.sampled_from([(0.9, 0.99), (0.95, 0.98), (0.0, 0.5), (0.5, 0.0)]),
+)
+def test_fused_step_and_pack_equal_the_composition(
+    mode: str, d: int, zeros: int, seed: int, betas: tuple[float, float]
+) -> None:
+    # Prepare: the reference is lion.local_step_ followed by pack_signs, with the same coin generator
+    m, g = _step_inputs(d, zeros, seed)
+    m_ref = m.clone()
+    expected = codec.pack_signs(lion.local_step_(m_ref, g, *betas), torch.Generator().manual_seed(7))
+    # Execute
+    with kernels(mode):
+        got = codec.pack_local_step_(m, g, *betas, torch.Generator().manual_seed(7))
+    # Assert: the same bytes (coin flips included) and the same momentum, bit for bit
+    assert torch.equal(got, expected)
+    assert _same_floats(m, m_ref)
+
+
+@pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
+def test_fused_step_on_two_threads_with_zero_directions_and_a_partial_group() -> None:
+    # Prepare: d = 2·10⁶ + 13 on two threads; zero directions at both ends and at a thread boundary
+    torch.set_num_threads(max(2, torch.get_num_threads()))
+    d = 2_000_013
+    m, g = _step_inputs(d, 0, 3)
+    for i in (0, 1, 63, 64, d // 2 - 1, d // 2, d - 1):
+        m[i], g[i] = 0.0, 0.0
+    m_ref = m.clone()
+    expected = codec.pack_signs(lion.local_step_(m_ref, g, 0.9, 0.99), torch.Generator().manual_seed(1))
+    # Execute
+    with kernels("on"):
+        got = codec.pack_local_step_(m, g, 0.9, 0.99, torch.Generator().manual_seed(1))
+    # Assert
+    assert torch.equal(got, expected)
+    assert _same_floats(m, m_ref)
+
+
+def test_fused_step_hand_computed(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Prepare: β₁ = 0.5, β₂ = 0.75: mix = (m + g)/2, m ← (3m + g)/4, all exact in float32
+    monkeypatch.setenv(codec.KERNELS_ENV, "on" if HAVE_NUMBA else "off")
+    m = torch.tensor([1.0, -1.0, 2.0, -2.0, 0.5, 0.0, 4.0, -4.0, 1.0])
+    g = torch.tensor([1.0, 1.0, -4.0, 0.0, -0.25, 1.0, 0.0, 8.0, -3.0])
+    # Execute
+    packed = codec.pack_local_step_(m, g, 0.5, 0.75)
+    # Assert: mix = 1, 0, −1, −1, 0.125, 0.5, 2, 2, −1 → bits 1 ? 0 0 1 1 1 1 | 0 (? a coin flip)
+    assert packed[0].item() & 0b1011_1111 == 0b1000_1111 and packed[1].item() == 0
+    assert m.tolist() == [1.0, -0.5, 0.5, -1.5, 0.3125, 0.25, 3.0, -1.0, 0.0]
+
+
+@pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
+def test_fused_step_runs_only_where_it_rounds_like_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flower_dlion import kernels as real
+
+    # Prepare: a kernel that rounds the mix and the momentum twice (no FMA), as some CPUs would
+    def unfused(
+        m: np.ndarray, g: np.ndarray, coefs: tuple, out: np.ndarray, zeros: np.ndarray, first: int, last: int
+    ) -> bool:
+        b1, a1, b2, a2 = coefs
+        mix = m * b1 + a1 * g
+        m[:] = m * b2 + a2 * g
+        out[:] = np.packbits(mix > 0, bitorder="big")
+        return False
+
+    fake = type(sys)("fake_kernels")
+    fake.__dict__.update(vars(real), lion_pack=unfused)  # the real kernels but this one
+    m, g = _step_inputs(5_000, 0, 11)
+    m_ref = m.clone()
+    expected = codec.pack_signs(lion.local_step_(m_ref, g, 0.9, 0.99))
+    monkeypatch.setattr(codec, "_FUSED_EXACT", {})
+    monkeypatch.setattr(codec, "_kernels", lambda size: fake)
+    # Execute
+    got = codec.pack_local_step_(m, g, 0.9, 0.99)
+    # Assert: the probe catches the other rounding and the composition runs instead; the real kernel passes it
+    assert codec._FUSED_EXACT == {(0.9, 0.99): False}
+    assert torch.equal(got, expected) and _same_floats(m, m_ref)
+    codec._FUSED_EXACT.clear()
+    assert codec._fused_step_matches_torch(real, 0.9, 0.99)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@settings(max_examples=60, deadline=None)
+@given(
+    d=st.integers(1, 100_000),
+    num_levels=st.just(2) | st.integers(1, 128).map(lambda h: 2 * h + 1),  # 2, or 3 … 257 (odd)
+    lr=st.floats(1e-6, 1.0),
+    weight_decay=st.floats(0.0, 1.0),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_apply_levels_equals_apply_update_of_the_values(
+    mode: str, d: int, num_levels: int, lr: float, weight_decay: float, seed: int
+) -> None:
+    # Prepare: x over many magnitudes with ±0 and ±inf; the reference is lion.apply_update_ of levels_to_values
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(d, generator=gen) * torch.rand(d, generator=gen).mul(40).sub(20).exp2()
+    x[:4] = torch.tensor([0.0, -0.0, float("inf"), -float("inf")])[: min(4, d)]
+    levels = torch.randint(0, num_levels, (d,), generator=gen, dtype=torch.int32)
+    expected = lion.apply_update_(x.clone(), codec.levels_to_values(levels, num_levels), lr, weight_decay)
+    # Execute
+    with kernels(mode):
+        got = codec.apply_levels_(x, levels, num_levels, lr, weight_decay)
+    # Assert: bit for bit, in place
+    assert got is x and _same_floats(x, expected)
+
+
+@pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
+@pytest.mark.parametrize(("num_levels", "lr"), [(2, 0.01), (3, 3e-4), (11, 0.1), (257, 1e-3)])
+def test_apply_levels_runs_the_kernel_on_two_threads(
+    num_levels: int, lr: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from flower_dlion import kernels as real
+
+    # Prepare: 2·10⁶ + 5 values on two threads; count the kernel's calls
+    torch.set_num_threads(max(2, torch.get_num_threads()))
+    calls = []
+    fused = real.apply_levels
+    monkeypatch.setattr(real, "apply_levels", lambda *args: calls.append(1) or fused(*args))
+    d = 2_000_005
+    x = torch.randn(d, generator=torch.Generator().manual_seed(num_levels))
+    levels = torch.randint(0, num_levels, (d,), dtype=torch.int32)
+    expected = lion.apply_update_(x.clone(), codec.levels_to_values(levels, num_levels), lr, 0.1)
+    # Execute
+    with kernels("on"):
+        codec.apply_levels_(x, levels, num_levels, lr, 0.1)
+    # Assert: the same x, from the kernel (one call per thread), not from the composition
+    assert torch.equal(x, expected)
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("bad", [3, -1])
+def test_apply_levels_rejects_a_level_out_of_range(mode: str, bad: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(codec.KERNELS_ENV, mode)
+    levels = torch.tensor([0, 1, 2, bad, 1], dtype=torch.int32)
+    with pytest.raises(ValueError, match="level outside 0…2: corrupted update"):
+        codec.apply_levels_(torch.ones(5), levels, 3, 0.1, 0.0)
 
 
 def test_kernels_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,6 +3,7 @@
 Uses ``LocalGrid`` (in-process, no Ray) on real Fashion-MNIST.
 """
 
+import importlib.util
 import json
 import logging
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message
 
+from flower_dlion import codec
 from flower_dlion.client_app import app as client_app
 from flower_dlion.clients.dlion import STATE_ARRAYS, apply_message, load_state
 from flower_dlion.config import read_config
@@ -88,6 +90,31 @@ def test_momentum_persists_across_rounds_in_context_state() -> None:
             g = gradient(state.x, pid, 2, rnd).double()
             m_ref[node] = B2 * m_ref[node] + (1 - B2) * g
             np.testing.assert_allclose(state.m.double().numpy(), m_ref[node].numpy(), rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("numba") is None, reason="numba not installed")
+def test_fused_client_step_gives_the_same_federation_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flower_dlion import kernels
+
+    calls = []
+    fused = kernels.lion_pack
+    monkeypatch.setattr(kernels, "lion_pack", lambda *args: calls.append(1) or fused(*args))
+    monkeypatch.setattr(codec, "_FUSED_EXACT", {})  # the rounding probe runs once, in this test
+    d = sum(p.numel() for p in Net().parameters())
+    results = {}
+    for mode in ("off", "on"):  # the composition lion.local_step_ + pack_signs, then the fused kernel
+        # Prepare
+        monkeypatch.setenv("FLOWER_DLION_KERNELS", mode)
+        grid = LocalGrid(client_app, 3, run_config=CPU_CONFIG)
+        strategy = DistributedLion(lr=LR, weight_decay=WD)
+        # Execute
+        run_rounds(strategy, grid, 3)
+        momenta = [load_state(grid.context(n), d, torch.device("cpu")).m for n in grid.node_ids]
+        results[mode] = (strategy.x.clone(), momenta, len(calls))
+    # Assert: the same model and momenta; the fused kernel ran only under "on": 3 clients × 3 rounds + the probe
+    assert torch.equal(results["off"][0], results["on"][0])
+    assert all(torch.equal(a, b) for a, b in zip(results["off"][1], results["on"][1], strict=True))
+    assert results["off"][2] == 0 and results["on"][2] == 10
 
 
 def sync_replicas(strategy: DistributedLion, grid: LocalGrid, rnd: int) -> dict[int, torch.Tensor]:

@@ -10,7 +10,8 @@ One ``train`` message, in order:
    the average gradient of ``accumulate`` minibatches of ``batch-size`` samples; U = Σₖ δₖ
    (with K = 1 this is plain D-Lion's δ = sign(β₁·m + (1−β₁)·g), then m ← β₂·m + (1−β₂)·g);
 3. encode U for the wire (``upload``): ``sign`` — sign(U), 1 bit per parameter (exact
-   zeros become a seeded coin flip); ``sum`` — the integer U, ⌈log₂(2K+1)⌉ bits;
+   zeros become a seeded coin flip; with K = 1 steps 2 and 3 are one fused pass,
+   ``codec.pack_local_step_``, with the same result); ``sum`` — the integer U, ⌈log₂(2K+1)⌉ bits;
    ``ef-sign`` — a scaled sign of U + e with one float32 scale per tensor, the
    quantization error e kept for the next round (error feedback);
 4. reply with it, the loss, the number of examples, the replica's version and its checksum
@@ -277,7 +278,9 @@ def apply_message(
             s = None
             if scales:
                 s = torch.tensor(scales[i * num_tensors : (i + 1) * num_tensors], dtype=torch.float32, device=device)
-            if i >= skip:
+            if i >= skip and s is None:  # x ← x − lr·(Δ + wd·x), one pass from the levels
+                codec.apply_levels_(state.x, levels, num_levels, lr, wd)
+            elif i >= skip:
                 delta = quantizers.dequantize(levels, num_levels, s, sizes or [d])  # Δ = scale · value
                 lion.apply_update_(state.x, delta, lr, wd)
             offset += size
@@ -359,24 +362,32 @@ def train(msg: Message, context: Context) -> Message:
         assert total is not None
         return total if accumulate == 1 else total.div_(accumulate)
 
-    x_local = state.x if steps == 1 else state.x.clone()  # K = 1 never moves x (see local_steps_)
-    u = lion.local_steps_(  # 2. U = Σₖ δₖ, m updated
-        x_local,
-        state.m,
-        gradient,
-        steps=steps,
-        lr=float(cfg.get("local-lr", 0.0)),
-        weight_decay=float(cfg.get("local-weight-decay", 0.0)),
-        beta1=float(cfg["beta1"]),
-        beta2=float(cfg["beta2"]),
-    )
-    gen = seeded_generator(device, seed, pid, server_round)  # coin flips for exact zeros
-    if byzantine(settings, *partition_id(context)):  # a fault study's attacker
-        if settings["byzantine-mode"] == "flip":
-            u = -u
-        else:
-            u = steps * (2.0 * torch.randint(0, 2, u.shape, generator=gen, device=device) - 1.0)
-    arrays = _encode_upload(u, state, cfg, sizes, gen)  # 3. on the device, only bytes leave it
+    beta1, beta2 = float(cfg["beta1"]), float(cfg["beta2"])
+    attacker = byzantine(settings, *partition_id(context))  # a fault study's attacker
+    if steps == 1 and str(cfg.get("upload", "sign")) == "sign" and not attacker:  # 2–3 as one pass over m and g
+        g = gradient(state.x, 0)
+        gen = seeded_generator(device, seed, pid, server_round)  # coin flips for exact zeros
+        packed = codec.pack_local_step_(state.m, g, beta1, beta2, gen)  # δ packed as computed, m updated
+        arrays = {"signs": bits_array(packed, d, SIGN_STYPE)}
+    else:
+        x_local = state.x if steps == 1 else state.x.clone()  # K = 1 never moves x (see local_steps_)
+        u = lion.local_steps_(  # 2. U = Σₖ δₖ, m updated
+            x_local,
+            state.m,
+            gradient,
+            steps=steps,
+            lr=float(cfg.get("local-lr", 0.0)),
+            weight_decay=float(cfg.get("local-weight-decay", 0.0)),
+            beta1=beta1,
+            beta2=beta2,
+        )
+        gen = seeded_generator(device, seed, pid, server_round)  # coin flips for exact zeros
+        if attacker:
+            if settings["byzantine-mode"] == "flip":
+                u = -u
+            else:
+                u = steps * (2.0 * torch.randint(0, 2, u.shape, generator=gen, device=device) - 1.0)
+        arrays = _encode_upload(u, state, cfg, sizes, gen)  # 3. on the device, only bytes leave it
     if sync:
         arrays["momentum"] = Array(state.m[mask].cpu().numpy())
 
