@@ -214,7 +214,7 @@ def _fused_step_matches_torch(kernels: ModuleType, beta1: float, beta2: float) -
         g = torch.randn(d, generator=gen) * torch.rand(d, generator=gen).mul(40).sub(20).exp2()
         m_ref = m.clone()
         expected = np.packbits((local_step_(m_ref, g, beta1, beta2) > 0).numpy(), bitorder="big")
-        mh, packed, zeros = m.numpy().copy(), np.empty(packed_size(d), np.uint8), np.zeros(-(-d // 64), np.uint64)
+        mh, packed, zeros = m.numpy(), np.empty(packed_size(d), np.uint8), np.zeros(-(-d // 64), np.uint64)
         kernels.lion_pack(mh, g.numpy(), _lion_coefs(beta1, beta2), packed, zeros, 0, zeros.size)
         same_m = np.array_equal(mh.view(np.int32), m_ref.numpy().view(np.int32))
         _FUSED_EXACT[key] = same_m and np.array_equal(packed, expected)
@@ -246,7 +246,7 @@ def apply_levels_(
         steps = (np.arange(-top, top + 1, 2, dtype=np.int64).astype(np.float32) / np.float32(top)) * lr32
         kernels = kernels if np.array_equal(steps.view(np.int32), torch_steps.view(np.int32)) else None
     if kernels is None:
-        if levels.numel() and not 0 <= int(levels.min()) <= int(levels.max()) <= top:
+        if levels.numel() and not 0 <= int((bounds := torch.aminmax(levels)).min) <= int(bounds.max) <= top:
             raise ValueError(f"level outside 0…{top}: corrupted update")
         return apply_update_(x, levels_to_values(levels, num_levels), lr, weight_decay)
     decay = np.float32(1.0 - lr * weight_decay)  # the factor x.mul_ rounds to float32

@@ -280,9 +280,8 @@ def apply_message(
                 s = torch.tensor(scales[i * num_tensors : (i + 1) * num_tensors], dtype=torch.float32, device=device)
             if i >= skip and s is None:  # x ← x − lr·(Δ + wd·x), one pass from the levels
                 codec.apply_levels_(state.x, levels, num_levels, lr, wd)
-            elif i >= skip:
-                delta = quantizers.dequantize(levels, num_levels, s, sizes or [d])  # Δ = scale · value
-                lion.apply_update_(state.x, delta, lr, wd)
+            elif i >= skip:  # Δ = scale · value
+                lion.apply_update_(state.x, quantizers.dequantize(levels, num_levels, s, sizes or [d]), lr, wd)
             offset += size
         if offset != buf.numel():
             raise ClientStateError(f"node {node_id}: update has {buf.numel()} bytes, its Δs use {offset}")
