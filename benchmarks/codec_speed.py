@@ -13,13 +13,16 @@
 3. The strategy's count (``codec.count_ones``: int32 vote counts, the sum S = 2·count − n
    comes from it) with the kernels and with numpy, against writing d int32 zeros.
 4. Applying Δ from its levels (``codec.apply_levels_``, on the server and on every client)
-   against the composition it replaces and against ``x.mul_(c)`` alone (``--apply``).
+   against the composition it replaces and against ``x.mul_(c)`` alone (``--apply``); and a
+   client's whole receive path, decoding the broadcast bytes and applying Δ, with the levels
+   decoded as int32 and as uint8 (what the client does).
 
 On the CPU "kernel" means ``FLOWER_DLION_KERNELS=on`` (numba's fused kernels at every size;
 the codec's default ``auto`` uses them from 2²⁰ values up) and "numpy" means ``off``. On a
 CUDA device the vote, the mean and "kernel" are the Triton kernels (``on``, as under ``auto``)
 and "numpy" stands for the tensor-operation path (``off``).
-Each figure is the median of ``--repeat`` runs; ratios are printed against the references
+Each figure is the median of ``--repeat`` runs or more (as many as fill 0.2 s, up to 2000: fast
+calls are noisy); ratios are printed against the references
 of the same run. Usage::
 
     python benchmarks/codec_speed.py [--device cpu|cuda] [--sizes 1e6,1e7,1e8] [--clients 4,16,64,256]
@@ -45,6 +48,7 @@ import torch
 from flower_dlion import codec, lion
 
 HAVE_NUMBA = importlib.util.find_spec("numba") is not None
+MIN_SECONDS = 0.2  # timeit's calls add up to at least this
 
 
 @contextmanager
@@ -59,10 +63,14 @@ def kernels(mode: str) -> Iterator[None]:
 
 
 def timeit(fn: Callable[..., object], args: tuple, repeat: int, device: torch.device) -> float:
-    """Median seconds of ``repeat`` calls ``fn(*args)`` (after one warm-up)."""
+    """Median seconds of at least ``repeat`` calls ``fn(*args)`` (after one warm-up).
+
+    Calls go on until they add up to ``MIN_SECONDS`` too (at most 2000 calls): the median
+    of a few calls of 0.05 ms moves by 2× between runs on a virtual machine.
+    """
     fn(*args)
-    times = []
-    for _ in range(repeat):
+    times: list[float] = []
+    while len(times) < repeat or (sum(times) < MIN_SECONDS and len(times) < 2000):
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -103,17 +111,21 @@ def bench_pack(sizes: list[int], device: torch.device, repeat: int) -> None:
     print("\n## 1. Client pack: sign + bit-pack of d float32 values, against v.sum() over the same tensor\n")
     unfused = "numpy" if device.type == "cpu" else "tensor ops"
     print(
-        f"| d | v.sum() | pack, kernel | ratio | pack, {unfused} | ratio "
+        f"| d | v.sum() | pack, kernel | ratio | v.sum(), 1 thread | pack / it | pack, {unfused} | ratio "
         "| Lion step, then pack | ratio | Lion step + pack, fused | ratio | composed / fused "
         "| momentum update alone | fused / it |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     gen = torch.Generator(device=device).manual_seed(0)
     for d in sizes:
         m = torch.randn(d, generator=gen, device=device)
         g = torch.randn(d, generator=gen, device=device)
         v = lion.direction(m, g, 0.9).mul_(torch.rand(d, generator=gen, device=device).add_(0.5))  # a mix, no zeros
         t_sum = timeit(torch.sum, (v,), repeat, device)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        t_sum1 = timeit(torch.sum, (v,), repeat, device)  # one core: what the pack gets below 2²⁰ values
+        torch.set_num_threads(threads)
         with kernels("on" if HAVE_NUMBA or device.type == "cuda" else "off"):
             t_pack = timeit(codec.pack_signs, (v,), repeat, device)
             t_step = timeit(step_then_pack, (m, g), repeat, device)
@@ -129,6 +141,7 @@ def bench_pack(sizes: list[int], device: torch.device, repeat: int) -> None:
             t_numpy = timeit(codec.pack_signs, (v,), repeat, device)
         print(
             f"| {d:.0e} | {t_sum * 1e3:.3f} ms | {t_pack * 1e3:.3f} ms | **{t_pack / t_sum:.2f}×** "
+            f"| {t_sum1 * 1e3:.3f} ms | {t_pack / t_sum1:.2f}× "
             f"| {t_numpy * 1e3:.3f} ms | {t_numpy / t_sum:.2f}× | {t_step * 1e3:.3f} ms | {t_step / t_sum:.2f}× "
             f"| {fused} |"
         )
@@ -170,8 +183,8 @@ def bench_aggregate(
                 t_mean = timeit(codec.count_planes, (p, d), repeat, device)
             with kernels("off"):
                 t_numpy = timeit(codec.vote_masks, (p, d), repeat, device)
-            row = f"| {d:.0e} | {n} | {t_xor * 1e3:.1f} ms | {t_vote * 1e3:.1f} ms | **{t_vote / t_xor:.2f}×** "
-            row += f"| {t_mean * 1e3:.1f} ms | **{t_mean / t_xor:.2f}×** | {t_numpy / t_xor:.2f}× "
+            row = f"| {d:.0e} | {n} | {t_xor * 1e3:.3f} ms | {t_vote * 1e3:.3f} ms | **{t_vote / t_xor:.2f}×** "
+            row += f"| {t_mean * 1e3:.3f} ms | **{t_mean / t_xor:.2f}×** | {t_numpy / t_xor:.2f}× "
             if n * d <= naive_limit:
                 t_nv = timeit(naive_vote, (p, n, d), repeat, device)
                 t_nm = timeit(naive_mean, (p, n, d), repeat, device)
@@ -216,27 +229,37 @@ def compose_apply(x: torch.Tensor, levels: torch.Tensor, num_levels: int) -> tor
     return lion.apply_update_(x, codec.levels_to_values(levels, num_levels), 0.01, 0.1)
 
 
+def receive(x: torch.Tensor, encoded: torch.Tensor, num_levels: int, dtype: torch.dtype) -> torch.Tensor:
+    """A client's receive path: decode the broadcast levels (as ``dtype``), apply Δ."""
+    levels = codec.decode_levels(encoded, num_levels, x.numel(), dtype)
+    return codec.apply_levels_(x, levels, num_levels, 0.01, 0.1)
+
+
 def bench_apply(sizes: list[int], repeat: int) -> None:
     print("\n## 4. Applying Δ from its levels (the server and every client, every round), against x.mul_(c)\n")
     print(
         "| d | L | x.mul_(c) | apply_levels_, kernel | / mul_ | levels_to_values + apply_update_ "
-        "| / mul_ | composed / kernel |"
+        "| / mul_ | composed / kernel | received: decode (int32) + apply | decode (uint8) + apply | int32 / uint8 |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     cpu = torch.device("cpu")
     for d in sizes:
         d += 3
         x = torch.randn(d, generator=torch.Generator().manual_seed(d))
-        for num_levels in (3, 11):  # the vote with ties; the mean of 10 signs
+        for num_levels in (2, 3, 11):  # the vote of an odd n, with ties (even n); the mean of 10 signs
             levels = torch.randint(0, num_levels, (d,), dtype=torch.int32)
             t_mul = timeit(x.mul_, (0.999,), repeat, cpu)
             with kernels("on" if HAVE_NUMBA else "off"):
                 t_kernel = timeit(codec.apply_levels_, (x, levels, num_levels, 0.01, 0.1), repeat, cpu)
+                encoded = codec.encode_levels(levels, num_levels)
+                t_wide = timeit(receive, (x, encoded, num_levels, torch.int32), repeat, cpu)
+                t_narrow = timeit(receive, (x, encoded, num_levels, torch.uint8), repeat, cpu)
             t_comp = timeit(compose_apply, (x, levels, num_levels), repeat, cpu)
             print(
                 f"| {d:,} | {num_levels} | {t_mul * 1e3:.2f} ms | {t_kernel * 1e3:.2f} ms "
                 f"| **{t_kernel / t_mul:.2f}×** | {t_comp * 1e3:.2f} ms | {t_comp / t_mul:.2f}× "
-                f"| **{t_comp / t_kernel:.1f}×** |"
+                f"| **{t_comp / t_kernel:.1f}×** | {t_wide * 1e3:.2f} ms | {t_narrow * 1e3:.2f} ms "
+                f"| **{t_wide / t_narrow:.1f}×** |"
             )
 
 

@@ -21,7 +21,8 @@ possible (odd number of voters), the mean over n votes uses L = n + 1. The small
 the formats above that fits L is used (:func:`level_format`).
 
 On the CPU, packing signs, a client's whole Lion step with its pack (:func:`pack_local_step_`),
-applying Δ from its levels (:func:`apply_levels_`) and counting votes run in fused kernels
+decoding a broadcast Δ (:func:`decode_levels`), applying Δ from its levels
+(:func:`apply_levels_`) and counting votes run in fused kernels
 (:mod:`flower_dlion.kernels`, numba, the ``fast`` extra) when numba is installed, else in
 numpy or torch; both give the same bytes and floats.
 ``FLOWER_DLION_KERNELS`` picks: ``auto`` (default: the kernels from 2²⁰ values up, where they
@@ -34,12 +35,15 @@ vote counts of payloads in GPU memory (:func:`count_ones`, :func:`vote_masks`, :
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import importlib
+import itertools
 import math
 import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from types import ModuleType
 from typing import TypeVar
 
@@ -301,16 +305,22 @@ def _on_threads(work: Callable[[int, int], _T], total: int, grain: int) -> list[
     """``work(first, last)`` over ``[0, total)`` in contiguous parts, one per torch CPU thread.
 
     Each part has at least ``grain`` items (one part when ``total`` is small). The work
-    must release the GIL (numpy loops and the kernels do). Returns every part's result,
-    so all of them are finished when it returns.
+    must release the GIL (numpy loops and the kernels do). The calling thread does the
+    first part itself (one thread fewer to wake). Returns every part's result; all parts
+    are finished when it returns or raises.
     """
     workers = max(1, min(torch.get_num_threads(), total // max(grain, 1)))
     if workers == 1:
         return [work(0, total)]
     if workers not in _POOLS:
-        _POOLS[workers] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="codec")
+        _POOLS[workers] = ThreadPoolExecutor(max_workers=workers - 1, thread_name_prefix="codec")
     bounds = [total * i // workers for i in range(workers + 1)]
-    return list(_POOLS[workers].map(work, bounds[:-1], bounds[1:]))
+    others = [_POOLS[workers].submit(work, a, b) for a, b in itertools.pairwise(bounds[1:])]
+    try:
+        first = work(bounds[0], bounds[1])
+    finally:
+        wait(others)
+    return [first, *(f.result() for f in others)]
 
 
 _CHUNK = 1 << 16  # values per numpy chunk (a multiple of 8: chunks start on byte boundaries)
@@ -360,16 +370,18 @@ def count_ones(payloads: Sequence[torch.Tensor | bytes | np.ndarray], d: int) ->
     """
     if not payloads:
         return torch.zeros(d, dtype=torch.int32)
-    if not _on_cpu(payloads) and (gpu := _gpu_kernels()) is not None:
+    on_cpu = _on_cpu(payloads)
+    if not on_cpu and (gpu := _gpu_kernels()) is not None:
         return gpu.count_ones([as_uint8(p) for p in payloads], d)
-    kernels = _kernels(d) if _on_cpu(payloads) else None
+    kernels = _kernels(d) if on_cpu else None
     if kernels is None:
         return planes_to_counts(count_planes(payloads, d), d)
     nbytes, num_planes = packed_size(d), len(payloads).bit_length()
     counts = np.empty(64 * ((nbytes + 7) // 8), dtype=np.int32)  # 64 per word; the spare ones are cut off
     words = _KernelWords(payloads, nbytes)
     words.run(
-        lambda first, last: kernels.count_ones(words.addresses, first, last, counts, _scratch(kernels, num_planes))
+        lambda first, last: kernels.count_ones(words.addresses, first, last, counts, _scratch(kernels, num_planes)),
+        out_bytes=4 * 64,
     )
     if words.tail is not None:
         kernels.count_ones(words.tail, 0, 1, counts[64 * words.whole :], _scratch(kernels, num_planes))
@@ -384,16 +396,20 @@ def vote_masks(payloads: Sequence[torch.Tensor | bytes | np.ndarray], d: int) ->
     cache and write only the two masks.
     """
     n = len(payloads)
-    if n and not _on_cpu(payloads) and (gpu := _gpu_kernels()) is not None:
+    on_cpu = _on_cpu(payloads)
+    if n and not on_cpu and (gpu := _gpu_kernels()) is not None:
         return gpu.vote_masks([as_uint8(p) for p in payloads], d)
-    kernels = _kernels(d) if n and _on_cpu(payloads) else None
+    kernels = _kernels(d) if n and on_cpu else None
     if kernels is None:
         return majority_masks(count_planes(payloads, d), n, d)
     nbytes = packed_size(d)
     gt, tie = np.empty((2, (nbytes + 7) // 8), dtype=np.uint64)  # one allocation for both masks
     words = _KernelWords(payloads, nbytes)
     planes = n.bit_length()
-    words.run(lambda first, last: kernels.vote_masks(words.addresses, first, last, gt, tie, _scratch(kernels, planes)))
+    words.run(
+        lambda first, last: kernels.vote_masks(words.addresses, first, last, gt, tie, _scratch(kernels, planes)),
+        out_bytes=2 * 8,
+    )
     if words.tail is not None:
         kernels.vote_masks(words.tail, 0, 1, gt[words.whole :], tie[words.whole :], _scratch(kernels, planes))
     return torch.from_numpy(gt.view(np.uint8)[:nbytes]), torch.from_numpy(tie.view(np.uint8)[:nbytes])
@@ -416,6 +432,14 @@ def _on_cpu(payloads: Sequence[torch.Tensor | bytes | np.ndarray]) -> bool:
     return not any(isinstance(p, torch.Tensor) and p.device.type != "cpu" for p in payloads)
 
 
+def _host_bytes(p: torch.Tensor | bytes | np.ndarray) -> np.ndarray:
+    """A payload in host memory as a 1-D uint8 numpy array (a ``bytes`` payload read in place)."""
+    return np.frombuffer(p, dtype=np.uint8) if isinstance(p, bytes | bytearray) else np.ascontiguousarray(as_uint8(p))
+
+
+_COUNT_GRAIN = 1 << 23  # bytes (payload words read, results written) per thread at least
+
+
 class _KernelWords:
     """The payloads as the kernels read them: the address of each one's whole int64 words.
 
@@ -428,24 +452,41 @@ class _KernelWords:
     def __init__(self, payloads: Sequence[torch.Tensor | bytes | np.ndarray], nbytes: int) -> None:
         self.whole = nbytes // 8
         self.n = len(payloads)
-        self._keep: list[np.ndarray] = []  # the arrays the addresses point into stay alive
-        self.addresses = np.empty(self.n, dtype=np.int64)
-        tails = np.zeros((self.n, 1), dtype=np.uint64)
-        for i, p in enumerate(payloads):
-            a = np.frombuffer(p, dtype=np.uint8) if isinstance(p, bytes | bytearray) else as_uint8(p).numpy()
-            if a.size != nbytes:
-                raise ValueError(f"expected {nbytes} packed bytes, got {a.size}")
-            if a.ctypes.data % 8:
-                a = a.copy()  # numpy's own allocations are aligned
-            self._keep.append(a)
-            self.addresses[i] = a.ctypes.data
-            tails.view(np.uint8)[i, : nbytes % 8] = a[8 * self.whole :]
-        self._keep.append(tails)
-        self.tail = tails.ctypes.data + 8 * np.arange(self.n, dtype=np.int64) if nbytes % 8 else None
+        self._keep: list[object] = list(payloads)  # the memory the addresses point into stays alive
+        addresses = []
+        for p in payloads:
+            if isinstance(p, torch.Tensor) and p.dtype == torch.uint8 and p.dim() == 1 and p.is_contiguous():
+                size, address = p.numel(), p.data_ptr()  # cheaper than via numpy: the loop pays per payload
+            elif isinstance(p, bytes):  # ctypes passes bytes as a pointer to their data
+                size, address = len(p), ctypes.cast(p, ctypes.c_void_p).value or 0
+            else:
+                a = _host_bytes(p)
+                size, address = a.size, a.ctypes.data
+                self._keep.append(a)
+            if size != nbytes:
+                raise ValueError(f"expected {nbytes} packed bytes, got {size}")
+            if address % 8:
+                a = _host_bytes(p).copy()  # numpy's own allocations are aligned
+                address = a.ctypes.data
+                self._keep.append(a)
+            addresses.append(address)
+        self.addresses = np.array(addresses, dtype=np.int64)
+        self.tail: np.ndarray | None = None
+        if nbytes % 8:  # the bytes after the last whole word, zero-padded: one word per payload
+            tails = np.zeros((self.n, 8), dtype=np.uint8)
+            for i, p in enumerate(payloads):
+                tails[i, : nbytes % 8] = _host_bytes(p)[8 * self.whole :]
+            self._keep.append(tails)
+            self.tail = tails.ctypes.data + 8 * np.arange(self.n, dtype=np.int64)
 
-    def run(self, work: Callable[[int, int], None]) -> None:
-        """``work(first, last)`` over the whole words, at least 256 k payload words (~0.1 ms) per thread."""
-        _on_threads(work, self.whole, max(256, (1 << 18) // max(self.n, 1)))
+    def run(self, work: Callable[[int, int], None], out_bytes: int) -> None:
+        """``work(first, last)`` over the whole words, on as many threads as ``_COUNT_GRAIN`` bytes allow.
+
+        A thread gets at least ``_COUNT_GRAIN`` bytes to read and write (n payload words and
+        ``out_bytes`` of output per word): waking a pool thread costs about 0.1 ms on a
+        virtual machine, about what 8 MB take to stream through one core.
+        """
+        _on_threads(work, self.whole, max(256, _COUNT_GRAIN // (8 * self.n + out_bytes)))
 
 
 def _words(packed: torch.Tensor | bytes | np.ndarray, nbytes: int, nwords: int) -> torch.Tensor:
@@ -481,16 +522,18 @@ def count_planes(
     nbytes = packed_size(d)
     nwords = (nbytes + 7) // 8
     num_planes = max(1, n.bit_length())
-    if n and not _on_cpu(payloads) and (gpu := _gpu_kernels()) is not None:
+    on_cpu = _on_cpu(payloads)
+    if n and not on_cpu and (gpu := _gpu_kernels()) is not None:
         return gpu.count_planes([as_uint8(p) for p in payloads], d)
-    kernels = _kernels(d) if n and _on_cpu(payloads) else None
+    kernels = _kernels(d) if n and on_cpu else None
     if kernels is not None:
         planes_np = np.empty((num_planes, nwords), dtype=np.uint64)
         words = _KernelWords(payloads, nbytes)
         words.run(
             lambda first, last: kernels.count_planes(
                 words.addresses, first, last, planes_np, _scratch(kernels, num_planes)
-            )
+            ),
+            out_bytes=8 * num_planes,
         )
         if words.tail is not None:
             last = np.empty((num_planes, 1), dtype=np.uint64)
@@ -617,6 +660,12 @@ def encode_levels(k: torch.Tensor, num_levels: int) -> torch.Tensor:
         for j in range(1, 5):
             out += t[:, j] * _POW3[j]
         return out
+    if k.device.type == "cpu" and num_levels <= 256:  # bytes: a quarter of the int32 passes' memory traffic
+        k8 = k.to(torch.uint8).numpy()
+        bit = np.empty_like(k8)
+        return torch.from_numpy(
+            np.concatenate([np.packbits(np.bitwise_and(k8, 1 << j, out=bit), bitorder="big") for j in range(b)])
+        )  # packbits packs every nonzero byte as a 1 bit
     k = k.to(torch.int32)
     return torch.cat([pack_bits(((k >> j) & 1).bool()) for j in range(b)])
 
@@ -633,8 +682,17 @@ def _trit_lut(device: torch.device) -> torch.Tensor:
     return _TRIT_LUT_CACHE[device]
 
 
-def decode_levels(buf: torch.Tensor | bytes | np.ndarray, num_levels: int, d: int) -> torch.Tensor:
-    """Inverse of :func:`encode_levels`: ``d`` integer levels (int32)."""
+def decode_levels(
+    buf: torch.Tensor | bytes | np.ndarray, num_levels: int, d: int, dtype: torch.dtype = torch.int32
+) -> torch.Tensor:
+    """Inverse of :func:`encode_levels`: ``d`` integer levels, int32 or (up to 256 levels) uint8.
+
+    uint8 levels are a quarter of the memory, and :func:`apply_levels_` reads them as they
+    are. A level that cannot occur (a trit5 byte above 242, a bit-plane level ≥ L) is a
+    ``ValueError``: nothing is returned for a corrupted payload.
+    """
+    if dtype not in (torch.int32, torch.uint8) or (dtype == torch.uint8 and num_levels > 256):
+        raise ValueError(f"levels are int32, or uint8 for at most 256 levels; got {dtype} for {num_levels} levels")
     p = as_uint8(buf)
     if p.numel() != encoded_size(d, num_levels):
         raise ValueError(
@@ -642,20 +700,43 @@ def decode_levels(buf: torch.Tensor | bytes | np.ndarray, num_levels: int, d: in
         )
     fmt, b = level_format(num_levels)
     if fmt == SIGN1:
-        return unpack_bits(p, d).to(torch.int32)
+        bits = unpack_bits(p, d)
+        return bits.view(torch.uint8) if dtype == torch.uint8 else bits.to(dtype)
     if fmt == TRIT5:
-        if bool((p > 242).any()):
+        kernels = _kernels(d) if p.device.type == "cpu" else None
+        if kernels is not None:  # each byte's digits from the table; the largest byte on the way
+            t, lut, k8 = p.numpy(), _trit_lut(p.device).numpy(), np.empty(5 * p.numel(), dtype=np.uint8)
+            work = functools.partial(kernels.trits_to_levels, t, lut, k8)
+            largest = max(_on_threads(work, t.size, 1 << 18), default=0)
+        else:
+            largest = int(p.max()) if p.numel() else 0
+        if largest > 242:
             raise ValueError("trit5 byte above 242 (3^5 - 1): corrupted payload")
-        if p.device.type == "cpu":  # numpy's gather avoids the int64 index copy
-            return torch.from_numpy(_trit_lut(p.device).numpy()[p.numpy()].reshape(-1)[:d].astype(np.int32))
-        return _trit_lut(p.device)[p.long()].view(-1)[:d].to(torch.int32)
+        if p.device.type == "cpu":
+            if kernels is None:  # numpy's take: no int64 index copy, 3× its fancy indexing
+                k8 = np.take(_trit_lut(p.device).numpy(), p.numpy(), axis=0).reshape(-1)
+            return torch.from_numpy(k8[:d] if dtype == torch.uint8 else k8[:d].astype(np.int32))
+        return _trit_lut(p.device)[p.long()].view(-1)[:d].to(dtype)
     n8 = packed_size(d)
+    if p.device.type == "cpu" and num_levels <= 256:  # bytes: a quarter of the int32 passes' memory traffic
+        if (kernels := _kernels(d)) is not None:  # every plane byte spread to 8 levels in registers
+            planes, words = p.numpy().reshape(b, n8), np.empty(n8, dtype=np.uint64)
+            _on_threads(lambda first, last: kernels.planes_to_levels(planes, words, first, last), n8, 1 << 17)
+            k8 = words.view(np.uint8)[:d]
+        else:
+            k8, bit = np.zeros(d, dtype=np.uint8), np.empty(d, dtype=np.uint8)
+            for j in range(b):  # k |= bit j of every level
+                plane = np.unpackbits(p[j * n8 : (j + 1) * n8].numpy(), count=d)
+                np.bitwise_or(k8, np.left_shift(plane, j, out=bit), out=k8)
+        if d and num_levels < 1 << b and int(k8.max()) >= num_levels:
+            raise ValueError(f"level above {num_levels - 1}: corrupted payload")
+        return torch.from_numpy(k8 if dtype == torch.uint8 else k8.astype(np.int32))
     k = torch.zeros(d, dtype=torch.int32, device=p.device)
     for j in range(b):
         k |= unpack_bits(p[j * n8 : (j + 1) * n8], d).to(torch.int32) << j
     if bool((k >= num_levels).any()):
         raise ValueError(f"level above {num_levels - 1}: corrupted payload")
-    return k
+    return k.to(dtype)
 
 
 def levels_to_values(k: torch.Tensor, num_levels: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

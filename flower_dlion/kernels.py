@@ -19,9 +19,13 @@ word) is read from memory once and everything else happens in registers or cache
   stored back, the mix's signs packed as above.
 - Apply Δ (server and clients): ``x·decay − lr·(2k − top)/top`` from the levels k in one pass,
   each operation rounded on its own as the torch composition does.
+- Decode a broadcast Δ (clients): bit planes → byte levels by spreading each plane byte's
+  8 bits into 8 bytes with one multiply and three masks (no table); ``trit5`` bytes → five
+  levels each from a 256-entry table.
 - Count: a chunk of payload words at a time, eight payloads per pass through a tree of
   seven carry-save adders (Harley–Seal) into the counter planes of weight 1, 2 and 4; the
-  carry plane of weight 8 goes up once per eight payloads. Small helpers on contiguous 1-D
+  carry plane of weight 8 goes up once per eight payloads. Up to eight payloads are counted
+  and compared in one pass with the counters in registers. Small helpers on contiguous 1-D
   slices keep the loops simple enough for LLVM to vectorize them.
 
 Safety: the count kernels read the payloads through raw addresses (``addresses``, int64),
@@ -46,7 +50,9 @@ __all__ = [
     "count_planes",
     "lion_pack",
     "pack_positive",
+    "planes_to_levels",
     "scratch",
+    "trits_to_levels",
     "vote_masks",
 ]
 
@@ -221,6 +227,57 @@ def apply_levels(
         k = ks[i]
         worst = max(worst, np.uint32(k))
         xs[i] = xs[i] * decay - np.float32(np.float32(2 * k - top) / topf) * lr  # x·(1 − lr·wd) − lr·Δ
+    return worst
+
+
+# ---------------------------------------------------------------------- decode levels
+_BYTE_MSB = np.uint64(0x0102040810204080)  # byte r keeps bit 7 − r of a byte (value 8q + r, MSB first)
+_LOW7, _HIGH = np.uint64(0x7F7F7F7F7F7F7F7F), np.uint64(0x8080808080808080)
+_EVERY_BYTE = np.uint64(0x0101010101010101)
+
+
+@_jit
+def _spread(v: np.uint8) -> np.uint64:
+    """The 8 bits of byte ``v`` (MSB first) as 8 bytes of 0 or 1: byte r is bit 7 − r."""
+    w = (np.uint64(v) * _EVERY_BYTE) & _BYTE_MSB  # v in every byte; byte r keeps its bit 7 − r
+    return ((w + _LOW7) & _HIGH) >> np.uint64(7)  # a nonzero byte → 1 (adding 0x7F sets bit 7, never carries)
+
+
+@_jit
+def planes_to_levels(planes: np.ndarray, out: np.ndarray, first: int, last: int) -> None:
+    """Levels ``k = Σⱼ 2ʲ·(bit j)`` from B bit planes, for the plane bytes ``first … last−1``.
+
+    ``planes`` uint8 (B, ⌈d/8⌉): plane j packs bit j of every level, MSB first (the
+    ``planesB`` wire format); ``out`` uint64 (⌈d/8⌉): word q gets the levels 8q … 8q+7,
+    one per byte (little-endian: as uint8, ``out`` holds the levels in order). B ≤ 8.
+    Arithmetic only (no table), a chunk of :data:`CHUNK_WORDS` plane bytes per pass so the
+    words stay in cache while every plane is added.
+    """
+    for start in range(first, last, CHUNK_WORDS):
+        stop = min(start + CHUNK_WORDS, last)
+        words, p0 = out[start:stop], planes[0, start:stop]
+        for i in range(words.size):
+            words[i] = _spread(p0[i])
+        for j in range(1, planes.shape[0]):
+            pj, shift = planes[j, start:stop], np.uint64(j)
+            for i in range(words.size):
+                words[i] |= _spread(pj[i]) << shift
+
+
+@_jit
+def trits_to_levels(packed: np.ndarray, digits: np.ndarray, out: np.ndarray, first: int, last: int) -> int:
+    """Levels from ``trit5`` bytes ``first … last−1``: byte i holds levels 5i … 5i+4 as its base-3 digits.
+
+    ``digits`` uint8 (256, 5) is the table of every byte's five digits (least significant
+    first), ``out`` uint8 of length 5·``packed.size``. Returns the largest byte seen (above
+    242 = 3⁵ − 1 the payload is corrupted; the caller checks).
+    """
+    worst = 0
+    for i in range(first, last):
+        b = packed[i]
+        worst = max(worst, b)
+        for j in range(5):
+            out[5 * i + j] = digits[b, j]
     return worst
 
 
@@ -480,6 +537,72 @@ def _count_chunk(
             _carry_up(acc, pending, has, k + 1, carry, m)
 
 
+@_jit
+def _tree8(
+    x0: np.uint64,
+    x1: np.uint64,
+    x2: np.uint64,
+    x3: np.uint64,
+    x4: np.uint64,
+    x5: np.uint64,
+    x6: np.uint64,
+    x7: np.uint64,
+) -> tuple[np.uint64, np.uint64, np.uint64, np.uint64]:
+    """The bit-sliced count (weights 1, 2, 4, 8) of eight words: :func:`_add8` from zero counters."""
+    ones, t1 = x0 ^ x1, x0 & x1  # x0 + x1 → ones, twos t1
+    u = x2 ^ x3
+    t2, ones = (x2 & x3) | (ones & u), ones ^ u
+    twos, f1 = t1 ^ t2, t1 & t2  # t1 + t2 → twos, fours f1
+    u = x4 ^ x5
+    t1, ones = (x4 & x5) | (ones & u), ones ^ u
+    u = x6 ^ x7
+    t2, ones = (x6 & x7) | (ones & u), ones ^ u
+    u = t1 ^ t2
+    f2, twos = (t1 & t2) | (twos & u), twos ^ u
+    return ones, twos, f1 ^ f2, f1 & f2  # f1 + f2 → fours, eights
+
+
+@_jit
+def _few(addresses: np.ndarray, start: int, m: int, zero: np.ndarray) -> tuple:
+    """Words ``start … start+m−1`` of the (at most eight) payloads, ``zero[:m]`` standing in for the missing ones."""
+    n = addresses.size
+    x = [_payload(addresses, p, start, m) if p < n else zero[:m] for p in range(8)]
+    return x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7]
+
+
+@_jit
+def _vote_few(
+    x: tuple,
+    t3: np.uint64,
+    t2: np.uint64,
+    t1: np.uint64,
+    t0: np.uint64,
+    keep: np.uint64,
+    gt: np.ndarray,
+    tie: np.ndarray,
+) -> None:
+    """Masks count > t and count = t of up to eight payloads' words in one pass (t's bits ``t3 … t0`` on every lane)."""
+    x0, x1, x2, x3, x4, x5, x6, x7 = x
+    for i in range(gt.size):
+        ones, twos, fours, eights = _tree8(x0[i], x1[i], x2[i], x3[i], x4[i], x5[i], x6[i], x7[i])
+        g, e = eights & ~t3, ~(eights ^ t3)  # compared from the top bit down, as _compare_low
+        g |= e & fours & ~t2
+        e &= ~(fours ^ t2)
+        g |= e & twos & ~t1
+        e &= ~(twos ^ t1)
+        g |= e & ones & ~t0
+        e &= ~(ones ^ t0)
+        gt[i], tie[i] = g, e & keep
+
+
+@_jit
+def _planes_few(x: tuple, p0: np.ndarray, p1: np.ndarray, p2: np.ndarray, p3: np.ndarray) -> None:
+    """The count planes of weight 1, 2, 4, 8 of up to eight payloads' words in one pass."""
+    x0, x1, x2, x3, x4, x5, x6, x7 = x
+    for i in range(p0.size):
+        p0[i], p1[i], p2[i], p3[i] = _tree8(x0[i], x1[i], x2[i], x3[i], x4[i], x5[i], x6[i], x7[i])
+
+
 def scratch(num_planes: int) -> np.ndarray:
     """One thread's counters for B = ``num_planes`` planes, to pass to the count kernels.
 
@@ -506,6 +629,13 @@ def count_planes(addresses: np.ndarray, first: int, last: int, planes: np.ndarra
     holds bit j of each coordinate's count. Only the planes leave the cache.
     """
     b = planes.shape[0]
+    if addresses.size <= 8:  # one pass, the counters in registers; planes above B go to spare rows
+        scratch[0] = 0
+        for start in range(first, last, CHUNK_WORDS):
+            m = min(CHUNK_WORDS, last - start)
+            out = [planes[j, start : start + m] if j < b else scratch[j, :m] for j in range(4)]
+            _planes_few(_few(addresses, start, m, scratch[0]), out[0], out[1], out[2], out[3])
+        return
     acc, pending, has, carry = _split(scratch)
     for start in range(first, last, CHUNK_WORDS):
         m = min(CHUNK_WORDS, last - start)
@@ -519,6 +649,16 @@ def vote_masks(
     addresses: np.ndarray, first: int, last: int, gt: np.ndarray, tie: np.ndarray, scratch: np.ndarray
 ) -> None:
     """Like :func:`count_planes`, but writes only the packed masks count > n/2 and count = n/2."""
+    n = addresses.size
+    if n <= 8:  # one pass, the counters in registers
+        scratch[0] = 0
+        t = [~np.uint64(0) if (n // 2 >> j) & 1 else np.uint64(0) for j in range(4)]
+        keep = np.uint64(0) if n % 2 else ~np.uint64(0)  # no ties with an odd number of voters
+        for start in range(first, last, CHUNK_WORDS):
+            m = min(CHUNK_WORDS, last - start)
+            x = _few(addresses, start, m, scratch[0])
+            _vote_few(x, t[3], t[2], t[1], t[0], keep, gt[start : start + m], tie[start : start + m])
+        return
     acc, pending, has, carry = _split(scratch)
     for start in range(first, last, CHUNK_WORDS):
         m = min(CHUNK_WORDS, last - start)

@@ -3,7 +3,7 @@
 import importlib.util
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import numpy as np
@@ -98,13 +98,27 @@ def test_unpack_rejects_wrong_length() -> None:
         codec.unpack_bits(bytes(3), 9)
 
 
+@pytest.mark.parametrize("mode", MODES)
 @settings(max_examples=150, deadline=None)
-@given(d=st.integers(1, 20_000), num_levels=st.integers(2, 70), seed=st.integers(0, 1000))
-def test_levels_round_trip_and_size(d: int, num_levels: int, seed: int) -> None:
+@given(
+    d=st.integers(1, 20_000),
+    num_levels=st.integers(2, 70) | st.sampled_from([255, 256, 257, 1000]),  # byte-wide CPU path and beyond
+    seed=st.integers(0, 1000),
+)
+def test_levels_round_trip_and_size(mode: str, d: int, num_levels: int, seed: int) -> None:
     k = torch.randint(0, num_levels, (d,), generator=torch.Generator().manual_seed(seed))
-    encoded = codec.encode_levels(k, num_levels)
+    with kernels(mode):
+        encoded = codec.encode_levels(k, num_levels)
+        wide = codec.decode_levels(encoded.numpy().tobytes(), num_levels, d)
+        narrow = codec.decode_levels(encoded, num_levels, d, torch.uint8) if num_levels <= 256 else None
     assert encoded.numel() == codec.encoded_size(d, num_levels)
-    assert torch.equal(codec.decode_levels(encoded.numpy().tobytes(), num_levels, d), k.to(torch.int32))
+    assert wide.dtype == torch.int32 and torch.equal(wide, k.to(torch.int32))
+    if narrow is not None:  # the same levels as bytes
+        assert narrow.dtype == torch.uint8 and torch.equal(narrow.to(torch.int64), k)
+    fmt, b = codec.level_format(num_levels)
+    if fmt.startswith("planes"):  # the wire format itself: plane j = bit j of every level, packbits order
+        planes = [np.packbits((k.numpy() >> j) & 1, bitorder="big") for j in range(b)]
+        np.testing.assert_array_equal(encoded.numpy(), np.concatenate(planes))
 
 
 @pytest.mark.parametrize(
@@ -124,18 +138,30 @@ def test_mean_bits_per_value_is_ceil_log2_n_plus_1() -> None:
         assert bits == pytest.approx(expected)
 
 
-def test_trit5_hand_computed() -> None:
-    # levels 2,0,1,1,2 → 2 + 0·3 + 1·9 + 1·27 + 2·81 = 200
+@pytest.mark.parametrize("mode", MODES)
+def test_trit5_hand_computed(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # levels 2,0,1,1,2 → 2 + 0·3 + 1·9 + 1·27 + 2·81 = 200; 242 = 22222₃; 13 = 111₃ (levels 1,1,1,0,0)
+    monkeypatch.setenv(codec.KERNELS_ENV, mode)
     assert codec.encode_levels(torch.tensor([2, 0, 1, 1, 2]), 3).tolist() == [200]
+    assert codec.decode_levels(bytes([200, 242, 13]), 3, 13).tolist() == [2, 0, 1, 1, 2] + [2] * 5 + [1, 1, 1]
     with pytest.raises(ValueError, match="above 242"):
-        codec.decode_levels(bytes([250]), 3, 5)
+        codec.decode_levels(bytes([0, 250]), 3, 10)
 
 
-def test_corrupted_planes_are_rejected() -> None:
-    # 5 levels use 3 bit planes; level 7 cannot occur
+@pytest.mark.parametrize("mode", MODES)
+def test_corrupted_planes_are_rejected(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 5 levels use 3 bit planes; level 7 cannot occur (likewise 300 levels: 9 planes, level 511)
+    monkeypatch.setenv(codec.KERNELS_ENV, mode)
     bad = codec.encode_levels(torch.tensor([7, 0, 0]), 8)
     with pytest.raises(ValueError, match="level above 4"):
         codec.decode_levels(bad, 5, 3)
+    bad = codec.encode_levels(torch.tensor([0, 511, 0]), 512)
+    with pytest.raises(ValueError, match="level above 299"):
+        codec.decode_levels(bad, 300, 3)
+    with pytest.raises(ValueError, match="level above 4"):  # as bytes too
+        codec.decode_levels(codec.encode_levels(torch.tensor([7, 0, 0]), 8), 5, 3, torch.uint8)
+    with pytest.raises(ValueError, match="uint8 for at most 256 levels"):
+        codec.decode_levels(codec.encode_levels(torch.tensor([0, 1, 0]), 300), 300, 3, torch.uint8)
 
 
 def test_levels_to_values() -> None:
@@ -230,22 +256,58 @@ def test_kernel_pack_is_bit_identical_to_numpy(d: int, zeros: int, seed: int) ->
     assert torch.equal(got, expected)
 
 
+def _record_thread_parts(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """Make ``codec._on_threads`` record (items, parts) of every call into the returned list."""
+    calls: list[tuple[int, int]] = []
+    real = codec._on_threads
+
+    def spy(work: Callable[[int, int], object], total: int, grain: int) -> list[object]:
+        out = real(work, total, grain)
+        calls.append((total, len(out)))
+        return out
+
+    monkeypatch.setattr(codec, "_on_threads", spy)
+    return calls
+
+
 @pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
-@pytest.mark.parametrize("n", [1, 2, 5, 64])
-def test_kernel_counts_on_two_threads_with_a_partial_last_word(n: int) -> None:
-    # Prepare: d = 10⁶ + 3 (⌈d/8⌉ = 125,001 bytes: one partial word), two threads
+@pytest.mark.parametrize("n", [1, 2, 5, 8, 9, 64])
+def test_kernel_counts_on_two_threads_with_a_partial_last_word(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Prepare: d = 10⁶ + 3 (⌈d/8⌉ = 125,001 bytes: one partial word), two threads even for a few payloads
     torch.set_num_threads(max(2, torch.get_num_threads()))
+    monkeypatch.setattr(codec, "_COUNT_GRAIN", 1 << 15)
     d = 1_000_003
     rng = np.random.default_rng(n)
     payloads = [rng.integers(0, 256, codec.packed_size(d), dtype=np.uint8).tobytes() for _ in range(n)]
     with kernels("off"):
         expected = (codec.count_planes(payloads, d), codec.count_ones(payloads, d), codec.vote_masks(payloads, d))
+    parts = _record_thread_parts(monkeypatch)
     # Execute
     with kernels("on"):
         got = (codec.count_planes(payloads, d), codec.count_ones(payloads, d), codec.vote_masks(payloads, d))
-    # Assert
+    # Assert: each count ran on two parts, and the results are numpy's
+    assert parts == [(codec.packed_size(d) // 8, 2)] * 3  # the whole words; the partial one after them
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
     assert torch.equal(got[2][0], expected[2][0]) and torch.equal(got[2][1], expected[2][1])
+
+
+@pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
+@pytest.mark.parametrize("num_levels", [3, 5, 11, 16, 129, 256])
+def test_kernel_decodes_levels_on_two_threads(num_levels: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Prepare: d = 5·2¹⁹ + 3 levels (a partial last byte), two threads; the reference is the numpy path
+    torch.set_num_threads(max(2, torch.get_num_threads()))
+    d = 5 * (1 << 19) + 3
+    k = torch.randint(0, num_levels, (d,), generator=torch.Generator().manual_seed(num_levels), dtype=torch.int32)
+    encoded = codec.encode_levels(k, num_levels)
+    calls = _record_thread_parts(monkeypatch)
+    # Execute
+    with kernels("on"):
+        got = codec.decode_levels(encoded, num_levels, d, torch.uint8)
+    with kernels("off"):
+        expected = codec.decode_levels(encoded, num_levels, d, torch.uint8)
+    # Assert
+    assert len(calls) == 1 and calls[0][1] == 2  # one threaded pass over the encoded bytes, in two parts
+    assert torch.equal(got, expected) and torch.equal(got.to(torch.int32), k)
 
 
 def _step_inputs(d: int, zeros: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -356,9 +418,10 @@ def test_fused_step_runs_only_where_it_rounds_like_torch(monkeypatch: pytest.Mon
     lr=st.floats(1e-6, 1.0),
     weight_decay=st.floats(0.0, 1.0),
     seed=st.integers(0, 2**31 - 1),
+    narrow=st.booleans(),
 )
 def test_apply_levels_equals_apply_update_of_the_values(
-    mode: str, d: int, num_levels: int, lr: float, weight_decay: float, seed: int
+    mode: str, d: int, num_levels: int, lr: float, weight_decay: float, seed: int, narrow: bool
 ) -> None:
     # Prepare: x over many magnitudes with ±0 and ±inf; the reference is lion.apply_update_ of levels_to_values
     gen = torch.Generator().manual_seed(seed)
@@ -366,6 +429,8 @@ def test_apply_levels_equals_apply_update_of_the_values(
     x[:4] = torch.tensor([0.0, -0.0, float("inf"), -float("inf")])[: min(4, d)]
     levels = torch.randint(0, num_levels, (d,), generator=gen, dtype=torch.int32)
     expected = lion.apply_update_(x.clone(), codec.levels_to_values(levels, num_levels), lr, weight_decay)
+    if narrow and num_levels <= 256:  # the levels as decode_levels(..., torch.uint8) gives them to a client
+        levels = levels.to(torch.uint8)
     # Execute
     with kernels(mode):
         got = codec.apply_levels_(x, levels, num_levels, lr, weight_decay)

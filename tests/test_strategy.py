@@ -133,6 +133,8 @@ def test_aggregate_applies_vote_or_mean(how: str, clients: int, delta: list[floa
     assert arrays["w"].numpy().shape == (2, 3)
     assert metrics["num-replies"] == clients and metrics["num-rejected"] == 0
     assert metrics["tie-fraction"] == pytest.approx(sum(1 for v in delta if v == 0) / 10)
+    sums = np.array(SIGNS[:clients]).sum(axis=0)  # S per coordinate
+    assert metrics["agreement"] == pytest.approx(np.abs(sums).sum() / (10 * clients))  # mean |S| / n
     assert metrics["train-loss"] == pytest.approx(1.5)
     assert metrics["bytes-up"] == sum(message_bytes(r) for r in replies)
     assert metrics["bytes-down"] == sum(message_bytes(m) for m in sent.values())

@@ -274,7 +274,9 @@ def apply_message(
         offset = 0
         for i, (num_levels, lr, wd) in enumerate(zip(cfg["num-levels"], cfg["lr"], cfg["weight-decay"], strict=True)):
             size = codec.encoded_size(d, num_levels)
-            levels = codec.decode_levels(buf[offset : offset + size], num_levels, d)
+            narrow = num_levels <= 256 and not scales  # bytes: a quarter of int32's memory; apply_levels_ reads them
+            dtype = torch.uint8 if narrow else torch.int32
+            levels = codec.decode_levels(buf[offset : offset + size], num_levels, d, dtype)
             s = None
             if scales:
                 s = torch.tensor(scales[i * num_tensors : (i + 1) * num_tensors], dtype=torch.float32, device=device)

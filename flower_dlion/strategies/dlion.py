@@ -496,7 +496,7 @@ class DistributedLion(ServerModelStrategy):
         """S = Σᵢ Uᵢ (int32 for sign and sum uploads, float32 for scaled signs)."""
         d, n = self.num_parameters, len(replies)
         if self.upload == "sign":
-            return 2 * codec.count_ones([r.data for r in replies], d) - n  # Σ of ±1
+            return codec.count_ones([r.data for r in replies], d).mul_(2).sub_(n)  # Σ of ±1: 2·(votes for +1) − n
         if self.upload == "sum":
             k = self.local_steps
             total = torch.zeros(d, dtype=torch.int32)
@@ -599,9 +599,12 @@ class DistributedLion(ServerModelStrategy):
                     scales,
                 )
             )
-            tie_fraction = float((votes == 0).float().mean())
+            tie_fraction = int(torch.count_nonzero(votes == 0)) / d
             scale = self.local_steps if self.upload == "sum" else 1
-            agreement = float(votes.abs().float().mean()) / (n * scale) if self.upload != "ef-sign" else math.nan
+            agreement = math.nan
+            if self.upload != "ef-sign":  # mean |S| / (n·scale); S is not needed after this: |S| in place
+                magnitudes = votes.abs_().numpy()
+                agreement = int(magnitudes.sum(dtype=np.int64)) / (d * n * scale)  # numpy's int sum: 4× torch's
             if rnd.momentum_sync:
                 momenta = [r.momentum for r in valid if r.momentum is not None]
                 self._momentum_avg = torch.stack(momenta).mean(0)
