@@ -60,6 +60,8 @@ BLOCK = 64  # float32 values packed per group: one 64-lane compare, one uint64 o
 CHUNK_WORDS = 1024  # int64 words counted per chunk (8 kB per plane: the counters stay in L2)
 _ODD, _PAIRS = np.uint64(0x5555555555555555), np.uint64(0x3333333333333333)  # bit masks for _msb_first
 _NIBBLES = np.uint64(0x0F0F0F0F0F0F0F0F)
+# coordinate l of a packed word is bit 8·(l//8) + 7 − l%8 (byte l//8, little-endian; MSB first in the byte)
+_LANE_SHIFT = np.array([8 * (lane >> 3) + 7 - (lane & 7) for lane in range(64)], dtype=np.uint64)
 
 _jit = numba.njit(nogil=True, cache=True, boundscheck=False)
 
@@ -397,14 +399,19 @@ def _compare_low(
 
 @_jit
 def _emit_counts(acc: np.ndarray, m: int, counts: np.ndarray) -> None:
-    """Per-coordinate counts (int32) of the first ``m`` words: coordinate 64·i + l is bit 8·(l//8) + 7 − l%8."""
+    """Per-coordinate counts (int32) of the first ``m`` words: coordinate 64·i + l is bit 8·(l//8) + 7 − l%8.
+
+    Plane by plane, the 64 lanes of a word innermost (a fixed shift per lane): that loop is
+    vectorized, where one coordinate at a time with the planes innermost is not.
+    """
     for i in range(m):
-        for lane in range(64):  # byte lane//8 of the word (little-endian), bit 7 − lane%8 of it (MSB first)
-            shift = np.uint64(8 * (lane >> 3) + 7 - (lane & 7))
-            c = 0
-            for j in range(acc.shape[0]):
-                c |= np.int32((acc[j, i] >> shift) & np.uint64(1)) << j
-            counts[64 * i + lane] = c
+        out, w = counts[64 * i : 64 * i + 64], acc[0, i]
+        for lane in range(64):
+            out[lane] = np.int32((w >> _LANE_SHIFT[lane]) & np.uint64(1))
+        for j in range(1, acc.shape[0]):
+            w, bit = acc[j, i], np.int32(1 << j)
+            for lane in range(64):
+                out[lane] |= np.int32((w >> _LANE_SHIFT[lane]) & np.uint64(1)) * bit
 
 
 @_jit

@@ -127,9 +127,9 @@ def aggregate(votes: torch.Tensor, n: int, how: Aggregation, k: int = 1) -> Leve
     if how == "vote":
         if n % 2 and k == 1:
             return Levels((s > 0).to(torch.int32), 2)  # S is odd: never 0
-        return Levels(torch.sign(s) + 1, 3)  # −1, 0, +1 → 0, 1, 2
+        return Levels(torch.sign(s).add_(1), 3)  # −1, 0, +1 → 0, 1, 2
     if how == "mean":
         if k == 1:
-            return Levels((s + n) // 2, n + 1)
+            return Levels((s + n).floor_divide_(2), n + 1)  # S + n is even
         return Levels(s + n * k, 2 * n * k + 1)
     raise ValueError(f"aggregation must be 'vote' or 'mean', got {how!r}")

@@ -7,9 +7,11 @@ import numpy as np
 import pytest
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from flower_dlion import codec
-from flower_dlion.protocol import CONFIG, DELTA, HELLO, METRICS, UPDATE, checksum, message_bytes
+from flower_dlion.protocol import CONFIG, DELTA, HELLO, METRICS, UPDATE, checksum, message_bytes, to_array
 from flower_dlion.strategies import DistributedLion
 
 
@@ -273,3 +275,19 @@ def test_min_replies_threshold_skips_update(caplog: pytest.LogCaptureFixture) ->
     _, metrics = strategy.aggregate_train(1, [signs_reply(sent[n], SIGNS[n - 1]) for n in (1, 2)])
     assert metrics["applied"] == 0 and "2 valid replies < min_replies=3" in caplog.text
     np.testing.assert_array_equal(strategy.x.numpy(), X0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    shape=st.lists(st.integers(0, 7), min_size=0, max_size=3).map(tuple),
+    dtype=st.sampled_from([np.float32, np.float64, np.uint8, np.int32]),
+)
+def test_to_array_gives_flowers_own_bytes(shape: tuple[int, ...], dtype: type) -> None:
+    # Prepare: any C-ordered array (empty and 0-d ones included)
+    a = np.arange(int(np.prod(shape)), dtype=dtype).reshape(shape)
+    # Execute
+    ours, flowers = to_array(a), Array(a.copy())
+    # Assert: the same Array as Flower's Array(ndarray), byte for byte, and it decodes to a
+    assert (ours.dtype, ours.shape, ours.stype) == (flowers.dtype, flowers.shape, flowers.stype)
+    assert ours.data == flowers.data
+    np.testing.assert_array_equal(ours.numpy(), a)

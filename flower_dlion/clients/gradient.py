@@ -14,7 +14,7 @@ from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordD
 
 from .. import codec, quantizers
 from ..model import flat_gradient, layout, num_parameters
-from ..protocol import GRAD_CONFIG, GRAD_METRICS, GRAD_MODEL, GRAD_UPDATE, TERNGRAD_STYPE
+from ..protocol import GRAD_CONFIG, GRAD_METRICS, GRAD_MODEL, GRAD_UPDATE, TERNGRAD_STYPE, to_array
 from .common import ClientStateError, batch, seeded_generator, setup
 
 __all__ = ["encode_terngrad", "train"]
@@ -45,7 +45,7 @@ def train(msg: Message, context: Context) -> Message:
     )
     loss, g = flat_gradient(model, torch.from_numpy(x).to(device), images, labels)
     if cfg["encoding"] == "fp32":
-        payload = Array(g.cpu().numpy())
+        payload = to_array(g.cpu().numpy())
     elif cfg["encoding"] == "terngrad":
         sizes = [p.numel() for p in model.parameters() if p.requires_grad]
         payload = encode_terngrad(g, sizes, seeded_generator(device, seed, pid, server_round))

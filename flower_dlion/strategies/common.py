@@ -15,13 +15,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 from flwr.supercore import log
 
-from ..protocol import HELLO, RejectedReply, error_text, read_metrics
+from ..protocol import HELLO, RejectedReply, error_text, read_metrics, to_array
 
 __all__ = ["Layout", "ServerModelStrategy", "check_common_args", "flatten", "unflatten"]
 
@@ -61,7 +61,7 @@ def unflatten(x: torch.Tensor, layout: Layout) -> ArrayRecord:
     out, offset, flat = {}, 0, x.numpy()
     for name, shape in layout:
         n = int(np.prod(shape, dtype=np.int64))
-        out[name] = Array(flat[offset : offset + n].reshape(shape).copy())
+        out[name] = to_array(flat[offset : offset + n].reshape(shape))  # the values copied once
         offset += n
     return ArrayRecord(out)
 

@@ -34,6 +34,7 @@ from ..protocol import (
     float_array,
     message_bytes,
     read_metrics,
+    to_array,
 )
 from .common import ServerModelStrategy, check_common_args
 
@@ -411,7 +412,7 @@ class DistributedLion(ServerModelStrategy):
             array = Array(dtype="level", shape=(len(chain) * self.num_parameters,), stype=LEVELS_STYPE, data=payload)
             return RecordDict({CONFIG: cfg, UPDATE: ArrayRecord({"payload": array})}), "deltas", len(payload)
         cfg.update({"kind": "full", "base-version": -1, "layout": layout_fingerprint(self._layout)})
-        array = Array(self.x.numpy().copy())
+        array = to_array(self.x.numpy())
         return RecordDict({CONFIG: cfg, UPDATE: ArrayRecord({"payload": array})}), "full", 4 * self.num_parameters
 
     def _chain_since(self, have: int) -> list[_Broadcast] | None:
