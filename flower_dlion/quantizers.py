@@ -1,6 +1,7 @@
 """Lossy quantizers with one float32 scale per tensor: TernGrad, scaled sign, uniform, error feedback.
 
-Imports torch only (and the level mapping of :mod:`flower_dlion.codec`).
+Imports torch only (and the level mapping of :mod:`flower_dlion.codec`, the update of
+:mod:`flower_dlion.lion`).
 
 **TernGrad** (Wen et al., 2017): stochastic ternary gradients. For each tensor j of the
 flat gradient g (slices given by ``sizes``)::
@@ -32,9 +33,10 @@ from collections.abc import Sequence
 
 import torch
 
-from .codec import levels_to_values
+from .codec import apply_levels_, levels_to_values
+from .lion import apply_update_
 
-__all__ = ["CLIP", "dequantize", "ef_quantize_", "quantize", "ternarize", "unternarize"]
+__all__ = ["CLIP", "apply_delta_", "dequantize", "ef_quantize_", "quantize", "ternarize", "unternarize"]
 
 CLIP = 2.5  # Wen et al.'s clipping factor c
 
@@ -144,6 +146,27 @@ def dequantize(
     if scales is None:
         return values
     return values * _per_value(scales.to(torch.float32).to(levels.device), sizes, levels.numel())
+
+
+def apply_delta_(
+    x: torch.Tensor,
+    levels: torch.Tensor,
+    num_levels: int,
+    scales: torch.Tensor | None,
+    sizes: Sequence[int],
+    lr: float,
+    weight_decay: float,
+) -> torch.Tensor:
+    """In place: ``x ← x − lr·(Δ + wd·x)`` for ``Δ = dequantize(levels, L, scales, sizes)``. Returns ``x``.
+
+    The one way the server and every client apply a broadcast Δ, so replicas stay
+    bit-identical: without scales straight from the levels (:func:`codec.apply_levels_`,
+    one fused pass where the kernels run), with per-tensor scales through the float Δ
+    (:func:`lion.apply_update_`).
+    """
+    if scales is None:
+        return apply_levels_(x, levels, num_levels, lr, weight_decay)
+    return apply_update_(x, dequantize(levels, num_levels, scales, sizes), lr, weight_decay)
 
 
 def ef_quantize_(

@@ -441,3 +441,19 @@ def test_float_aggregation_does_not_depend_on_the_order_of_the_replies() -> None
         finals.append(strategy.x.clone())
     # Assert: bit-identical models (the server sums the scaled signs in node-id order)
     assert torch.equal(finals[0], finals[1])
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_apply_delta_is_the_update_of_the_dequantized_levels(scaled: bool) -> None:
+    # Prepare: 2 tensors (3 + 4 values), L = 3 levels, per-tensor scales or none; hand-computed Δ
+    x = torch.tensor([1.0, -2.0, 0.5, 4.0, 0.0, -1.0, 8.0])
+    levels = torch.tensor([0, 1, 2, 2, 0, 1, 2], dtype=torch.int32)
+    scales = torch.tensor([0.5, 2.0]) if scaled else None
+    delta = torch.tensor([-1.0, 0.0, 1.0, 1.0, -1.0, 0.0, 1.0])  # (2k − 2) / 2
+    if scaled:
+        delta = delta * torch.tensor([0.5] * 3 + [2.0] * 4)
+    expected = lion.apply_update_(x.clone(), delta, 0.1, 0.01)
+    # Execute
+    got = quantizers.apply_delta_(x, levels, 3, scales, [3, 4], 0.1, 0.01)
+    # Assert: in place, bit for bit the reference Lion update
+    assert got is x and torch.equal(x, expected)

@@ -280,10 +280,8 @@ def apply_message(
             s = None
             if scales:
                 s = torch.tensor(scales[i * num_tensors : (i + 1) * num_tensors], dtype=torch.float32, device=device)
-            if i >= skip and s is None:  # x ← x − lr·(Δ + wd·x), one pass from the levels
-                codec.apply_levels_(state.x, levels, num_levels, lr, wd)
-            elif i >= skip:  # Δ = scale · value
-                lion.apply_update_(state.x, quantizers.dequantize(levels, num_levels, s, sizes or [d]), lr, wd)
+            if i >= skip:  # x ← x − lr·(Δ + wd·x), as the server applied it
+                quantizers.apply_delta_(state.x, levels, num_levels, s, sizes or [d], lr, wd)
             offset += size
         if offset != buf.numel():
             raise ClientStateError(f"node {node_id}: update has {buf.numel()} bytes, its Δs use {offset}")
@@ -365,9 +363,9 @@ def train(msg: Message, context: Context) -> Message:
 
     beta1, beta2 = float(cfg["beta1"]), float(cfg["beta2"])
     attacker = byzantine(settings, *partition_id(context))  # a fault study's attacker
+    gen = seeded_generator(device, seed, pid, server_round)  # coin flips for exact zeros
     if steps == 1 and str(cfg.get("upload", "sign")) == "sign" and not attacker:  # 2–3 as one pass over m and g
         g = gradient(state.x, 0)
-        gen = seeded_generator(device, seed, pid, server_round)  # coin flips for exact zeros
         packed = codec.pack_local_step_(state.m, g, beta1, beta2, gen)  # δ packed as computed, m updated
         arrays = {"signs": bits_array(packed, d, SIGN_STYPE)}
     else:
@@ -382,7 +380,6 @@ def train(msg: Message, context: Context) -> Message:
             beta1=beta1,
             beta2=beta2,
         )
-        gen = seeded_generator(device, seed, pid, server_round)  # coin flips for exact zeros
         if attacker:
             if settings["byzantine-mode"] == "flip":
                 u = -u

@@ -584,11 +584,8 @@ class DistributedLion(ServerModelStrategy):
             votes = self._vote_sum(valid)
             update, scales = self._update(votes, n)
             weight_decay = self.weight_decay * self.local_steps  # K local steps' worth of decay
-            if scales is None:  # x ← x − lr·(Δ + wd·x), one pass from the levels (as the clients do)
-                codec.apply_levels_(self.x, update.levels, update.num_levels, self.lr, weight_decay)
-            else:
-                delta = quantizers.dequantize(update.levels, update.num_levels, torch.tensor(scales), self.sizes)
-                lion.apply_update_(self.x, delta, self.lr, weight_decay)
+            s = None if scales is None else torch.tensor(scales)
+            quantizers.apply_delta_(self.x, update.levels, update.num_levels, s, self.sizes, self.lr, weight_decay)
             self.version += 1
             self._remember(
                 _Broadcast(
