@@ -10,8 +10,9 @@
    levels) against an XOR-reduce over the same packed bytes (``acc ^= payload`` on int64
    words) and against the naive form: unpack each payload to bytes and add it to an int16
    counter, then sign / encode; the vote also with numpy instead of the kernels.
-3. The strategy's count (``codec.count_ones``: int32 vote counts, the sum S = 2·count − n
-   comes from it) with the kernels and with numpy, against writing d int32 zeros.
+3. The int32 vote counts (``codec.count_ones``: the sum S = 2·count − n comes from it; the
+   strategy's count when it quantizes Δ) with the kernels and with numpy, against writing d
+   int32 zeros.
 4. Applying Δ from its levels (``codec.apply_levels_``, on the server and on every client)
    against the composition it replaces and against ``x.mul_(c)`` alone (``--apply``); and a
    client's whole receive path, decoding the broadcast bytes and applying Δ, with the levels
@@ -204,7 +205,7 @@ def bench_aggregate(
 
 
 def bench_counts(sizes: list[int], clients: list[int], repeat: int) -> None:
-    print("\n## 3. The strategy's count_ones (int32 counts) of n payloads, kernel against numpy\n")
+    print("\n## 3. count_ones (int32 counts) of n payloads, kernel against numpy\n")
     print("| d | n | zeros(d, int32) | count_ones, kernel | / zeros | count_ones, numpy | numpy / kernel |")
     print("|---|---|---|---|---|---|---|")
     rng = np.random.default_rng(0)

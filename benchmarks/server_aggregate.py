@@ -84,11 +84,18 @@ def profile_vote(d: int, n: int, repeat: int, rng: np.random.Generator) -> None:
     stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
     cumulative = {f"{Path(file).name}:{name}": entry[3] for (file, _, name), entry in stats.items()}
     total = cumulative["dlion.py:aggregate_train"]
-    parts = ["message_bytes", "_check_reply", "_vote_sum", "_update", "apply_levels_", "encode_levels", "arrays"]
-    shares = [
-        f"{name} {100 * t / total:.0f}%" for name in parts for key, t in cumulative.items() if key.endswith(f":{name}")
-    ]
-    print(f"\nd = {d:,}, vote, {repeat} rounds under cProfile, share of aggregate_train: " + ", ".join(shares))
+    parts = ["protocol.py:message_bytes", "dlion.py:_check_reply", "codec.py:aggregate_packed"]
+    parts += ["codec.py:apply_levels_", "common.py:arrays"]
+    inner = [f"codec.py:{name}" for name in ("count_planes", "majority_masks", "_levels_from_planes")]
+    inner += ["codec.py:encode_levels", "codec.py:_popcount"]
+
+    def shares(keys: list[str]) -> str:
+        return ", ".join(f"{key.split(':')[1]} {100 * cumulative.get(key, 0.0) / total:.0f}%" for key in keys)
+
+    print(
+        f"\nd = {d:,}, vote, {repeat} rounds under cProfile, share of aggregate_train: {shares(parts)} "
+        f"(in aggregate_packed: {shares(inner)})"
+    )
 
 
 def dlion_round(d: int, n: int, aggregation: str, rng: np.random.Generator) -> Callable[[], float]:

@@ -45,7 +45,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from types import ModuleType
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -53,6 +53,8 @@ import torch
 __all__ = [
     "SIGN1",
     "TRIT5",
+    "PackedAggregate",
+    "aggregate_packed",
     "apply_levels_",
     "as_uint8",
     "count_ones",
@@ -624,6 +626,82 @@ def majority_masks(planes: torch.Tensor, n: int, d: int) -> tuple[torch.Tensor, 
     return gt, eq
 
 
+class PackedAggregate(NamedTuple):
+    """Δ aggregated from n packed sign payloads (:func:`aggregate_packed`)."""
+
+    levels: torch.Tensor  # Δ's levels k, uint8 (int32 above 256 levels): Δ = (2k − (L−1)) / (L−1)
+    num_levels: int  # L
+    encoded: bytes  # the broadcast: encode_levels(levels, num_levels)
+    ties: int  # coordinates where S = Σᵢ δᵢ is 0
+    sum_abs: int  # Σ |S| over the d coordinates, exact
+
+
+def aggregate_packed(payloads: Sequence[torch.Tensor | bytes | np.ndarray], d: int, how: str) -> PackedAggregate:
+    """Vote or mean of n packed sign payloads, straight from their bit-sliced counts.
+
+    With c the per-coordinate count of +1 votes (S = 2c − n), the levels are those of
+    ``lion.aggregate(S, n, how)`` and ``encoded`` is :func:`encode_levels` of them, but no
+    d-sized integer array is formed on the way: the count planes (:func:`count_planes`)
+    and the masks of :func:`majority_masks` are packed, the levels are bytes.
+
+    - vote, n odd: Δ = sign(S), 2 levels; the mask "S > 0" *is* their ``sign1`` encoding.
+    - vote, n even: 3 levels; the masks "S = 0" and "S > 0" are the levels' bit planes 0 and 1.
+    - mean: Δ = S/n, n + 1 levels k = c; the count planes *are* their ``planesB`` encoding
+      (``trit5`` for n = 2 is encoded from the levels).
+
+    The levels come out of these planes as a client decodes a broadcast (the kernel of
+    :func:`decode_levels`); the ties and Σ|S| from popcounts of the count planes under the
+    masks: with Cₘ = Σⱼ 2ʲ·popcount(planeⱼ ∧ m) and #m the number of coordinates in a mask m,
+    Σ|S| = (2·C_gt − n·#gt) + (n·#lt − 2·C_lt), where #lt = d − #gt − #tie and
+    C_lt = C_all − C_gt − (n/2)·#tie.
+
+    Example::
+
+        >>> a = pack_signs(torch.tensor([1.0, -1.0, 1.0]))
+        >>> b = pack_signs(torch.tensor([1.0, 1.0, -1.0]))
+        >>> agg = aggregate_packed([a, b], 3, "vote")
+        >>> agg.levels.tolist(), agg.num_levels, agg.ties, agg.sum_abs
+        ([2, 1, 1], 3, 2, 2)
+    """
+    n = len(payloads)
+    if n < 1:
+        raise ValueError("aggregate_packed needs at least one payload")
+    if how not in ("vote", "mean"):
+        raise ValueError(f"how must be 'vote' or 'mean', got {how!r}")
+    planes = count_planes(payloads, d).cpu()
+    if d % 8:  # bits past d (a payload's spare bits) count for nothing
+        planes[:, -1] &= (0xFF00 >> (d % 8)) & 0xFF
+    gt, tie = majority_masks(planes, n, d)
+    if how == "vote":
+        level_planes, num_levels = (gt[None], 2) if n % 2 else (torch.stack([tie, gt]), 3)
+    else:
+        level_planes, num_levels = planes.contiguous(), n + 1
+    levels = _levels_from_planes(level_planes, d, torch.uint8 if num_levels <= 256 else torch.int32)
+    if level_format(num_levels)[0] == TRIT5:
+        encoded = encode_levels(levels, num_levels).numpy().tobytes()
+    else:
+        encoded = level_planes.numpy().tobytes()
+    num_gt, num_tie = _popcount(gt), _popcount(tie)
+    c_all = sum(_popcount(plane) << j for j, plane in enumerate(planes))
+    c_gt = sum(_popcount(plane & gt) << j for j, plane in enumerate(planes))
+    c_lt = c_all - c_gt - (n // 2) * num_tie  # a tie has c = n/2
+    num_lt = d - num_gt - num_tie
+    sum_abs = (2 * c_gt - n * num_gt) + (n * num_lt - 2 * c_lt)
+    return PackedAggregate(levels, num_levels, encoded, num_tie, sum_abs)
+
+
+_POPCOUNT8 = np.array([bin(byte).count("1") for byte in range(256)], dtype=np.uint8)
+
+
+def _popcount(mask: torch.Tensor) -> int:
+    """The number of 1 bits in a uint8 tensor on the CPU."""
+    a = mask.numpy()
+    if not hasattr(np, "bitwise_count"):  # numpy < 2: a table
+        return int(np.take(_POPCOUNT8, a).sum(dtype=np.int64))
+    whole = a.size - a.size % 8
+    return int(np.bitwise_count(a[:whole].view(np.uint64)).sum(dtype=np.int64)) + int(np.bitwise_count(a[whole:]).sum())
+
+
 def level_format(num_levels: int) -> tuple[str, int]:
     """The format used for ``num_levels`` levels and its bits per value (or 0 for trit5)."""
     if num_levels < 2:
@@ -652,6 +730,12 @@ def encode_levels(k: torch.Tensor, num_levels: int) -> torch.Tensor:
     if fmt == SIGN1:
         return pack_bits(k > 0)
     if fmt == TRIT5:
+        if k.device.type == "cpu" and (kernels := _kernels(d)) is not None:  # five levels → a byte, in one pass
+            k8, out, whole = k.to(torch.uint8).numpy(), np.empty((d + 4) // 5, dtype=np.uint8), d // 5
+            _on_threads(lambda first, last: kernels.levels_to_trits(k8, out, first, last), whole, 1 << 18)
+            if d % 5:  # the partial last group
+                out[whole] = sum(int(v) * p for v, p in zip(k8[5 * whole :], _POW3, strict=False))
+            return torch.from_numpy(out)
         t = k.to(torch.uint8)
         if d % 5:
             t = torch.cat([t, t.new_zeros(5 - d % 5)])
@@ -717,26 +801,27 @@ def decode_levels(
                 k8 = np.take(_trit_lut(p.device).numpy(), p.numpy(), axis=0).reshape(-1)
             return torch.from_numpy(k8[:d] if dtype == torch.uint8 else k8[:d].astype(np.int32))
         return _trit_lut(p.device)[p.long()].view(-1)[:d].to(dtype)
-    n8 = packed_size(d)
-    if p.device.type == "cpu" and num_levels <= 256:  # bytes: a quarter of the int32 passes' memory traffic
-        if (kernels := _kernels(d)) is not None:  # every plane byte spread to 8 levels in registers
-            planes, words = p.numpy().reshape(b, n8), np.empty(n8, dtype=np.uint64)
-            _on_threads(lambda first, last: kernels.planes_to_levels(planes, words, first, last), n8, 1 << 17)
-            k8 = words.view(np.uint8)[:d]
-        else:
-            k8, bit = np.zeros(d, dtype=np.uint8), np.empty(d, dtype=np.uint8)
-            for j in range(b):  # k |= bit j of every level
-                plane = np.unpackbits(p[j * n8 : (j + 1) * n8].numpy(), count=d)
-                np.bitwise_or(k8, np.left_shift(plane, j, out=bit), out=k8)
-        if d and num_levels < 1 << b and int(k8.max()) >= num_levels:
-            raise ValueError(f"level above {num_levels - 1}: corrupted payload")
-        return torch.from_numpy(k8 if dtype == torch.uint8 else k8.astype(np.int32))
-    k = torch.zeros(d, dtype=torch.int32, device=p.device)
-    for j in range(b):
-        k |= unpack_bits(p[j * n8 : (j + 1) * n8], d).to(torch.int32) << j
-    if bool((k >= num_levels).any()):
+    k = _levels_from_planes(p.view(b, -1), d, dtype)
+    if d and num_levels < 1 << b and int(k.numpy().max() if k.device.type == "cpu" else k.max()) >= num_levels:
         raise ValueError(f"level above {num_levels - 1}: corrupted payload")
-    return k.to(dtype)
+    return k
+
+
+def _levels_from_planes(planes: torch.Tensor, d: int, dtype: torch.dtype) -> torch.Tensor:
+    """Levels ``k = Σⱼ 2ʲ·(bit j)`` of ``d`` values from B packed bit planes ``(B, ⌈d/8⌉)`` uint8, as ``dtype``."""
+    b, n8 = planes.shape
+    if planes.device.type != "cpu" or b > 8:
+        return planes_to_counts(planes, d).to(dtype)
+    p = planes.contiguous().numpy()
+    if (kernels := _kernels(d)) is not None:  # every plane byte spread to 8 levels in registers
+        words = np.empty(n8, dtype=np.uint64)
+        _on_threads(lambda first, last: kernels.planes_to_levels(p, words, first, last), n8, 1 << 17)
+        k8 = words.view(np.uint8)[:d]
+    else:  # bytes: a quarter of the int32 passes' memory traffic
+        k8, bit = np.zeros(d, dtype=np.uint8), np.empty(d, dtype=np.uint8)
+        for j in range(b):  # k |= bit j of every level
+            np.bitwise_or(k8, np.left_shift(np.unpackbits(p[j], count=d), j, out=bit), out=k8)
+    return torch.from_numpy(k8 if dtype == torch.uint8 else k8.astype(np.int32))
 
 
 def levels_to_values(k: torch.Tensor, num_levels: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -21,7 +21,7 @@ word) is read from memory once and everything else happens in registers or cache
   each operation rounded on its own as the torch composition does.
 - Decode a broadcast Δ (clients): bit planes → byte levels by spreading each plane byte's
   8 bits into 8 bytes with one multiply and three masks (no table); ``trit5`` bytes → five
-  levels each from a 256-entry table.
+  levels each from a 256-entry table. Encode ``trit5`` (the server): five levels → a byte.
 - Count: a chunk of payload words at a time, eight payloads per pass through a tree of
   seven carry-save adders (Harley–Seal) into the counter planes of weight 1, 2 and 4; the
   carry plane of weight 8 goes up once per eight payloads. Up to eight payloads are counted
@@ -48,6 +48,7 @@ __all__ = [
     "apply_levels",
     "count_ones",
     "count_planes",
+    "levels_to_trits",
     "lion_pack",
     "pack_positive",
     "planes_to_levels",
@@ -281,6 +282,19 @@ def trits_to_levels(packed: np.ndarray, digits: np.ndarray, out: np.ndarray, fir
         for j in range(5):
             out[5 * i + j] = digits[b, j]
     return worst
+
+
+@_jit
+def levels_to_trits(levels: np.ndarray, out: np.ndarray, first: int, last: int) -> None:
+    """``trit5`` bytes ``first … last−1`` from levels in {0, 1, 2}: byte i = Σⱼ 3ʲ·levels[5i + j].
+
+    ``levels`` uint8 with five levels for every byte written (the caller encodes a partial
+    last group itself).
+    """
+    ks, bs = levels[5 * first : 5 * last], out[first:last]  # loops from 0 over slices
+    for i in range(bs.size):
+        b = 5 * i
+        bs[i] = ks[b] + 3 * ks[b + 1] + 9 * ks[b + 2] + 27 * ks[b + 3] + 81 * ks[b + 4]
 
 
 # ------------------------------------------------------------------------------ count

@@ -67,7 +67,7 @@ import numpy as np
 import torch
 from flwr.app import Array, Message, MetricRecord, RecordDict
 from flwr.common.constant import SUPERLINK_NODE_ID
-from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, no_object_id_recompute
 
 __all__ = [
     "CLIENT_STATE_ERROR",
@@ -240,10 +240,13 @@ def message_bytes(message: Message) -> int:
     Flower sends a message as a tree of content-addressed objects (message, record dict,
     records, arrays, array chunks), each deflated with a small header; this sums the
     deflated size of every distinct object in the tree. Measured once per message object
-    (the strategy and the metering grid see the same objects; a sent message is not changed).
+    (the strategy and the metering grid see the same objects; a sent message is not changed),
+    each object's id computed once (as Flower does when it sends: a parent's id would
+    otherwise hash its children's bytes again).
     """
     size = _SIZES.get(message)
     if size is None:
-        size = sum(len(obj.deflate()) for obj in get_all_nested_objects(message).values())
+        with no_object_id_recompute():
+            size = sum(len(obj.deflate()) for obj in get_all_nested_objects(message).values())
         _SIZES[message] = size
     return size

@@ -238,6 +238,83 @@ def test_bit_sliced_counts_and_majority_equal_the_unpacked_sum(
     assert torch.equal(masks[0], gt) and torch.equal(masks[1], tie)
 
 
+def _aggregate_by_the_sum(payloads: list[bytes], d: int, how: str) -> codec.PackedAggregate:
+    """The reference of aggregate_packed: S = 2·count − n unpacked, lion.aggregate, encode_levels."""
+    n = len(payloads)
+    counts = np.stack([np.unpackbits(np.frombuffer(p, np.uint8), count=d) for p in payloads]).sum(axis=0)
+    s = torch.from_numpy(2 * counts.astype(np.int64) - n)
+    levels = lion.aggregate(s, n, how)
+    encoded = codec.encode_levels(levels.levels, levels.num_levels).numpy().tobytes()
+    return codec.PackedAggregate(levels.levels, levels.num_levels, encoded, int((s == 0).sum()), int(s.abs().sum()))
+
+
+def test_aggregate_packed_hand_computed() -> None:
+    # Prepare: four voters on d = 5 coordinates; S = (4, 0, −2, 2, −4)
+    signs = [[1, 1, -1, 1, -1], [1, -1, -1, 1, -1], [1, 1, 1, 1, -1], [1, -1, -1, -1, -1]]
+    payloads = [codec.pack_signs(torch.tensor(s, dtype=torch.float32)) for s in signs]
+    # Execute
+    vote = codec.aggregate_packed(payloads, 5, "vote")
+    mean = codec.aggregate_packed(payloads, 5, "mean")
+    # Assert: vote levels sign(S) + 1, mean levels (S + 4)/2 = the counts; one tie; Σ|S| = 12
+    assert vote.levels.tolist() == [2, 1, 0, 2, 0] and vote.num_levels == 3
+    assert vote.encoded == bytes([2 + 1 * 3 + 0 * 9 + 2 * 27 + 0 * 81])  # trit5: five levels, one byte
+    assert mean.levels.tolist() == [4, 2, 1, 3, 0] and mean.num_levels == 5
+    assert mean.encoded == bytes([0b00110000, 0b01010000, 0b10000000])  # planes3: bits 0, 1, 2 of the counts
+    assert (vote.ties, vote.sum_abs) == (mean.ties, mean.sum_abs) == (1, 12)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@settings(max_examples=120, deadline=None)
+@given(
+    n=st.integers(1, 40),
+    d=st.integers(1, 2000),
+    how=st.sampled_from(["vote", "mean"]),
+    bias=st.floats(0.0, 1.0),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_aggregate_packed_equals_the_aggregate_of_the_sum(
+    mode: str, n: int, d: int, how: str, bias: float, seed: int
+) -> None:
+    # Prepare: n packed sign vectors, +1 with probability `bias` (unanimous coordinates to all ties), and
+    # random spare bits past d (they count for nothing)
+    rng = np.random.default_rng(seed)
+    packed = [np.packbits(rng.random(d) < bias, bitorder="big") for _ in range(n)]
+    for p in packed:
+        p[-1] |= rng.integers(0, 256) & (0xFF >> (d % 8) if d % 8 else 0)
+    payloads = [p.tobytes() for p in packed]
+    # Execute
+    with kernels(mode):
+        got = codec.aggregate_packed(payloads, d, how)
+    # Assert: levels (as bytes), broadcast bytes, ties and Σ|S| of the composition from S
+    expected = _aggregate_by_the_sum(payloads, d, how)
+    assert got.levels.dtype == torch.uint8
+    assert torch.equal(got.levels.to(torch.int32), expected.levels.to(torch.int32))
+    assert got[1:] == expected[1:]
+
+
+def test_aggregate_packed_beyond_256_levels_and_without_bitwise_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Prepare: 300 voters (mean: 301 levels, int32), and numpy < 2's popcount (a table)
+    rng = np.random.default_rng(3)
+    d = 1001
+    payloads = [rng.integers(0, 256, codec.packed_size(d), dtype=np.uint8).tobytes() for _ in range(300)]
+    monkeypatch.delattr(np, "bitwise_count", raising=False)
+    # Execute
+    mean, vote = codec.aggregate_packed(payloads, d, "mean"), codec.aggregate_packed(payloads, d, "vote")
+    # Assert
+    for got, how in ((mean, "mean"), (vote, "vote")):
+        expected = _aggregate_by_the_sum(payloads, d, how)
+        assert torch.equal(got.levels.to(torch.int32), expected.levels.to(torch.int32))
+        assert got[1:] == expected[1:]
+    assert mean.levels.dtype == torch.int32 and mean.num_levels == 301
+
+
+def test_aggregate_packed_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="at least one payload"):
+        codec.aggregate_packed([], 8, "vote")
+    with pytest.raises(ValueError, match="'vote' or 'mean'"):
+        codec.aggregate_packed([b"\x00"], 8, "median")
+
+
 @pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
 @settings(max_examples=60, deadline=None)
 @given(d=st.integers(1, 300_000), zeros=st.integers(0, 50), seed=st.integers(0, 2**31 - 1))
@@ -308,6 +385,23 @@ def test_kernel_decodes_levels_on_two_threads(num_levels: int, monkeypatch: pyte
     # Assert
     assert len(calls) == 1 and calls[0][1] == 2  # one threaded pass over the encoded bytes, in two parts
     assert torch.equal(got, expected) and torch.equal(got.to(torch.int32), k)
+
+
+@pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
+def test_kernel_encodes_trit5_on_two_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Prepare: d = 5·2¹⁹ + 3 levels in {0, 1, 2} (a partial last group), two threads
+    torch.set_num_threads(max(2, torch.get_num_threads()))
+    d = 5 * (1 << 19) + 3
+    k = torch.randint(0, 3, (d,), generator=torch.Generator().manual_seed(3), dtype=torch.int32)
+    with kernels("off"):
+        expected = codec.encode_levels(k, 3)
+    calls = _record_thread_parts(monkeypatch)
+    # Execute
+    with kernels("on"):
+        got = codec.encode_levels(k.to(torch.uint8), 3)
+    # Assert: one threaded pass in two parts, the bytes of the tensor-operation path
+    assert calls == [(1 << 19, 2)]
+    assert torch.equal(got, expected)
 
 
 def _step_inputs(d: int, zeros: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

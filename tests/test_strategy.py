@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
+from flwr.common.constant import FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE
+from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -275,6 +277,23 @@ def test_min_replies_threshold_skips_update(caplog: pytest.LogCaptureFixture) ->
     _, metrics = strategy.aggregate_train(1, [signs_reply(sent[n], SIGNS[n - 1]) for n in (1, 2)])
     assert metrics["applied"] == 0 and "2 valid replies < min_replies=3" in caplog.text
     np.testing.assert_array_equal(strategy.x.numpy(), X0)
+
+
+def test_message_bytes_counts_each_distinct_object_once() -> None:
+    # Prepare: an Array of three identical zero chunks (Flower's chunk size) and a distinct tail; built twice
+    chunk = FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE
+
+    def message() -> Message:
+        data = bytes(3 * chunk) + b"tail"
+        signs = Array(dtype="bit", shape=(8 * len(data),), stype="dlion.sign1", data=data)
+        content = {DELTA: ArrayRecord({"signs": signs}), METRICS: MetricRecord({"version": 1})}
+        return Message(RecordDict(content), dst_node_id=1, message_type="train")
+
+    # Execute
+    size = message_bytes(message())
+    # Assert: Flower's object tree, every id recomputed, gives the same bytes; the zero chunk is sent once
+    assert size == sum(len(obj.deflate()) for obj in get_all_nested_objects(message()).values())
+    assert chunk < size < 2 * chunk
 
 
 @settings(max_examples=40, deadline=None)

@@ -493,6 +493,26 @@ class DistributedLion(ServerModelStrategy):
             )
         return _Reply(node_id, main.data, levels, floats.get("scales"), floats.get("momentum"), values)
 
+    def _aggregate(self, replies: list[_Reply]) -> tuple[codec.PackedAggregate, tuple[float, ...] | None]:
+        """Δ of n valid replies: its levels, broadcast bytes and per-tensor scales, with S's ties and Σ|S|.
+
+        Signs broadcast exactly (the default) are aggregated from their packed bits
+        (:func:`codec.aggregate_packed`: no d-sized integer array); the other forms from S
+        (Σ|S| is 0 for the float S of scaled signs, whose agreement is not reported).
+        """
+        k = self.local_steps
+        if self.upload == "sign" and self.broadcast_bits == 0:  # the levels of sign(S) or S/n; Δ is K times them
+            update = codec.aggregate_packed([r.data for r in replies], self.num_parameters, self.aggregation)
+            return update, ((float(k),) * len(self._layout) if k > 1 else None)
+        votes = self._vote_sum(replies)
+        levels, scales = self._update(votes, len(replies))
+        ties = int(torch.count_nonzero(votes == 0))
+        sum_abs = 0  # S is not needed after this: |S| in place, summed by numpy (4× torch's int sum)
+        if not votes.dtype.is_floating_point:
+            sum_abs = int(votes.abs_().numpy().sum(dtype=np.int64))
+        encoded = codec.encode_levels(levels.levels, levels.num_levels).numpy().tobytes()
+        return codec.PackedAggregate(levels.levels, levels.num_levels, encoded, ties, sum_abs), scales
+
     def _vote_sum(self, replies: list[_Reply]) -> torch.Tensor:
         """S = Σᵢ Uᵢ (int32 for sign and sum uploads, float32 for scaled signs)."""
         d, n = self.num_parameters, len(replies)
@@ -519,7 +539,7 @@ class DistributedLion(ServerModelStrategy):
             if votes.dtype.is_floating_point:  # weighted vote of scaled signs
                 levels = lion.Levels((torch.sign(votes) + 1).to(torch.int32), 3)
             else:
-                levels = lion.aggregate(votes, n, self.aggregation, k=k if self.upload == "sum" else 1)
+                levels = lion.aggregate(votes, n, self.aggregation, k=k)  # the sum upload (signs: _aggregate)
             return levels, ((float(k),) * num_tensors if k > 1 else None)
         if self.aggregation == "vote":
             target = torch.sign(votes).float() * k
@@ -581,8 +601,7 @@ class DistributedLion(ServerModelStrategy):
         tie_fraction = agreement = 0.0
         applied = n >= self.min_replies
         if applied:
-            votes = self._vote_sum(valid)
-            update, scales = self._update(votes, n)
+            update, scales = self._aggregate(valid)
             weight_decay = self.weight_decay * self.local_steps  # K local steps' worth of decay
             s = None if scales is None else torch.tensor(scales)
             quantizers.apply_delta_(self.x, update.levels, update.num_levels, s, self.sizes, self.lr, weight_decay)
@@ -593,16 +612,13 @@ class DistributedLion(ServerModelStrategy):
                     update.num_levels,
                     self.lr,
                     weight_decay,
-                    codec.encode_levels(update.levels, update.num_levels).numpy().tobytes(),
+                    update.encoded,
                     scales,
                 )
             )
-            tie_fraction = int(torch.count_nonzero(votes == 0)) / d
-            scale = self.local_steps if self.upload == "sum" else 1
-            agreement = math.nan
-            if self.upload != "ef-sign":  # mean |S| / (n·scale); S is not needed after this: |S| in place
-                magnitudes = votes.abs_().numpy()
-                agreement = int(magnitudes.sum(dtype=np.int64)) / (d * n * scale)  # numpy's int sum: 4× torch's
+            tie_fraction = update.ties / d
+            scale = self.local_steps if self.upload == "sum" else 1  # agreement: mean |S| / (n·scale)
+            agreement = math.nan if self.upload == "ef-sign" else update.sum_abs / (d * n * scale)
             if rnd.momentum_sync:
                 momenta = [r.momentum for r in valid if r.momentum is not None]
                 self._momentum_avg = torch.stack(momenta).mean(0)
