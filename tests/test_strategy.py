@@ -119,6 +119,8 @@ def test_first_round_sends_full_model_to_new_nodes() -> None:
         ("vote", 3, [1, -1, -1, 1, 1, -1, 1, 1, -1, 1]),  # odd n: no ties
         ("vote", 4, [1, -1, -1, 1, 1, 0, 0, 1, -1, 0]),  # ties → 0
         ("mean", 4, [0.5, -0.5, -0.5, 0.5, 0.5, 0.0, 0.0, 1.0, -1.0, 0.0]),
+        ("mean", 3, [1 / 3, -1 / 3, -1, 1 / 3, 1, -1 / 3, 1 / 3, 1, -1, 1 / 3]),  # 4 levels: 2 bit planes
+        ("mean", 2, [1, 0, -1, 0, 1, -1, 0, 1, -1, 1]),  # 3 levels: trit5
     ],
 )
 def test_aggregate_applies_vote_or_mean(how: str, clients: int, delta: list[float]) -> None:

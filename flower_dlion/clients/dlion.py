@@ -50,6 +50,7 @@ from ..protocol import (
     bits_array,
     checksum,
     sync_prefixes,
+    to_array,
 )
 from .common import ClientStateError, batch, byzantine, partition_id, resolve_device, seeded_generator, setup
 
@@ -105,7 +106,7 @@ def load_state(context: Context, d: int, device: torch.device) -> ReplicaState |
     bad = {name: a.shape for name, a in stored.items() if a.shape != (d,)}
     if bad:
         raise ClientStateError(f"node {context.node_id}: stored state has shapes {bad}, model has d={d}")
-    tensors = {name: torch.from_numpy(a.copy()).to(device) for name, a in stored.items()}
+    tensors = {name: torch.from_numpy(a).to(device) for name, a in stored.items()}  # Array.numpy(): fresh arrays
     if m_bf16:  # stored as the raw 16 bits of bfloat16 (numpy has no bfloat16)
         tensors["m"] = tensors["m"].view(torch.bfloat16).float()
     return ReplicaState(tensors["x"], tensors["m"], version, tensors.get("e"), saved_round)
@@ -129,7 +130,7 @@ def save_state(context: Context, state: ReplicaState, momentum_dtype: str = "flo
         k: (v.detach().to(torch.bfloat16).view(torch.int16) if k == "m" and bf16 else v.detach()).cpu().numpy()
         for k, v in _state_arrays(state).items()
     }
-    context.state[STATE_ARRAYS] = ArrayRecord({k: Array(a) for k, a in host.items()})
+    context.state[STATE_ARRAYS] = ArrayRecord({k: to_array(a) for k, a in host.items()})
     context.state[STATE_META] = ConfigRecord(
         {"version": state.version, "round": state.round, "m-dtype": momentum_dtype}
     )
@@ -387,7 +388,7 @@ def train(msg: Message, context: Context) -> Message:
                 u = steps * (2.0 * torch.randint(0, 2, u.shape, generator=gen, device=device) - 1.0)
         arrays = _encode_upload(u, state, cfg, sizes, gen)  # 3. on the device, only bytes leave it
     if sync:
-        arrays["momentum"] = Array(state.m[mask].cpu().numpy())
+        arrays["momentum"] = to_array(state.m[mask].cpu().numpy())
 
     state.round = server_round
     if settings["momentum-dtype"] == "bfloat16":  # m rounded once per round, the same on every path
