@@ -4,7 +4,9 @@
    float32 reduction ``v.sum()`` over the same tensor, with the fused kernel and with numpy;
    also the client's whole step from m and g (δ and the momentum update): composed
    (``lion.local_step_``, then the pack) and fused into one pass (``codec.pack_local_step_``),
-   which reads two tensors and writes one.
+   which reads two tensors and writes one. In a process that calls them repeatedly (as here)
+   the CPU kernels run on torch's own OpenMP team; the last column is the pack on the
+   codec's own threads instead.
 2. Server aggregation of n packed payloads: the vote (``codec.vote_masks``: bit-sliced,
    never unpacked) and the mean (``codec.count_planes``: its planes are the mean's encoded
    levels) against an XOR-reduce over the same packed bytes (``acc ^= payload`` on int64
@@ -20,8 +22,9 @@
 
 On the CPU "kernel" means ``FLOWER_DLION_KERNELS=on`` (numba's fused kernels at every size;
 the codec's default ``auto`` uses them from 2²⁰ values up) and "numpy" means ``off``. On a
-CUDA device the vote, the mean and "kernel" are the Triton kernels (``on``, as under ``auto``)
-and "numpy" stands for the tensor-operation path (``off``).
+CUDA device the vote, the mean, the fused step, the apply and "kernel" are the Triton kernels
+(``on``, as under ``auto``) and "numpy" stands for the tensor-operation path (``off``); section 3
+is CPU only.
 Each figure is the median of ``--repeat`` runs or more (as many as fill 0.2 s, up to 2000: fast
 calls are noisy); ratios are printed against the references
 of the same run. Usage::
@@ -61,6 +64,17 @@ def kernels(mode: str) -> Iterator[None]:
         yield
     finally:
         os.environ[codec.KERNELS_ENV] = old
+
+
+@contextmanager
+def own_threads() -> Iterator[None]:
+    """Run the CPU kernels on the codec's own threads, never on torch's OpenMP team."""
+    old = codec._TEAM_AFTER
+    codec._TEAM_AFTER = 1 << 30
+    try:
+        yield
+    finally:
+        codec._TEAM_AFTER = old
 
 
 def timeit(fn: Callable[..., object], args: tuple, repeat: int, device: torch.device) -> float:
@@ -114,9 +128,9 @@ def bench_pack(sizes: list[int], device: torch.device, repeat: int) -> None:
     print(
         f"| d | v.sum() | pack, kernel | ratio | v.sum(), 1 thread | pack / it | pack, {unfused} | ratio "
         "| Lion step, then pack | ratio | Lion step + pack, fused | ratio | composed / fused "
-        "| momentum update alone | fused / it |"
+        "| momentum update alone | fused / it | pack, own threads | own / pack |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     gen = torch.Generator(device=device).manual_seed(0)
     for d in sizes:
         m = torch.randn(d, generator=gen, device=device)
@@ -131,8 +145,8 @@ def bench_pack(sizes: list[int], device: torch.device, repeat: int) -> None:
             t_pack = timeit(codec.pack_signs, (v,), repeat, device)
             t_step = timeit(step_then_pack, (m, g), repeat, device)
             t_momentum = timeit(lion.update_momentum_, (m, g, 0.99), repeat, device)  # torch: m.mul_(β₂).add_(g, …)
-            fused = "– | – | – | –"  # no fused step off the CPU (there the composition runs)
-            if device.type == "cpu" and HAVE_NUMBA:
+            fused = "– | – | – | –"  # no fused step without numba on the CPU (there the composition runs)
+            if device.type == "cuda" or HAVE_NUMBA:
                 t_fused = timeit(fused_step, (m, g), repeat, device)
                 fused = (
                     f"{t_fused * 1e3:.3f} ms | **{t_fused / t_sum:.2f}×** | **{t_step / t_fused:.1f}×** "
@@ -140,11 +154,16 @@ def bench_pack(sizes: list[int], device: torch.device, repeat: int) -> None:
                 )
         with kernels("off"):
             t_numpy = timeit(codec.pack_signs, (v,), repeat, device)
+        own = "– | –"  # the codec's own threads instead of torch's OpenMP team (CPU kernels only)
+        if device.type == "cpu" and HAVE_NUMBA:
+            with kernels("on"), own_threads():
+                t_own = timeit(codec.pack_signs, (v,), repeat, device)
+            own = f"{t_own * 1e3:.3f} ms | {t_own / t_pack:.2f}×"
         print(
             f"| {d:.0e} | {t_sum * 1e3:.3f} ms | {t_pack * 1e3:.3f} ms | **{t_pack / t_sum:.2f}×** "
             f"| {t_sum1 * 1e3:.3f} ms | {t_pack / t_sum1:.2f}× "
             f"| {t_numpy * 1e3:.3f} ms | {t_numpy / t_sum:.2f}× | {t_step * 1e3:.3f} ms | {t_step / t_sum:.2f}× "
-            f"| {fused} |"
+            f"| {fused} | {own} |"
         )
         del m, g, v
 
@@ -236,26 +255,26 @@ def receive(x: torch.Tensor, encoded: torch.Tensor, num_levels: int, dtype: torc
     return codec.apply_levels_(x, levels, num_levels, 0.01, 0.1)
 
 
-def bench_apply(sizes: list[int], repeat: int) -> None:
+def bench_apply(sizes: list[int], device: torch.device, repeat: int) -> None:
     print("\n## 4. Applying Δ from its levels (the server and every client, every round), against x.mul_(c)\n")
     print(
         "| d | L | x.mul_(c) | apply_levels_, kernel | / mul_ | levels_to_values + apply_update_ "
         "| / mul_ | composed / kernel | received: decode (int32) + apply | decode (uint8) + apply | int32 / uint8 |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    cpu = torch.device("cpu")
     for d in sizes:
         d += 3
-        x = torch.randn(d, generator=torch.Generator().manual_seed(d))
+        x = torch.randn(d, generator=torch.Generator().manual_seed(d)).to(device)
         for num_levels in (2, 3, 11):  # the vote of an odd n, with ties (even n); the mean of 10 signs
-            levels = torch.randint(0, num_levels, (d,), dtype=torch.int32)
-            t_mul = timeit(x.mul_, (0.999,), repeat, cpu)
-            with kernels("on" if HAVE_NUMBA else "off"):
-                t_kernel = timeit(codec.apply_levels_, (x, levels, num_levels, 0.01, 0.1), repeat, cpu)
+            levels = torch.randint(0, num_levels, (d,), dtype=torch.int32).to(device)
+            t_mul = timeit(x.mul_, (0.999,), repeat, device)
+            with kernels("on" if HAVE_NUMBA or device.type == "cuda" else "off"):
+                t_kernel = timeit(codec.apply_levels_, (x, levels, num_levels, 0.01, 0.1), repeat, device)
                 encoded = codec.encode_levels(levels, num_levels)
-                t_wide = timeit(receive, (x, encoded, num_levels, torch.int32), repeat, cpu)
-                t_narrow = timeit(receive, (x, encoded, num_levels, torch.uint8), repeat, cpu)
-            t_comp = timeit(compose_apply, (x, levels, num_levels), repeat, cpu)
+                t_wide = timeit(receive, (x, encoded, num_levels, torch.int32), repeat, device)
+                t_narrow = timeit(receive, (x, encoded, num_levels, torch.uint8), repeat, device)
+            with kernels("off"):
+                t_comp = timeit(compose_apply, (x, levels, num_levels), repeat, device)
             print(
                 f"| {d:,} | {num_levels} | {t_mul * 1e3:.2f} ms | {t_kernel * 1e3:.2f} ms "
                 f"| **{t_kernel / t_mul:.2f}×** | {t_comp * 1e3:.2f} ms | {t_comp / t_mul:.2f}× "
@@ -275,7 +294,7 @@ def main() -> None:
     parser.add_argument("--skip-aggregate", action="store_true")
     parser.add_argument("--counts", action="store_true", help="also section 3 (CPU only), for --count-sizes")
     parser.add_argument("--count-sizes", default="281031,1e7")
-    parser.add_argument("--apply", action="store_true", help="also section 4 (CPU only), for --count-sizes")
+    parser.add_argument("--apply", action="store_true", help="also section 4, for --count-sizes")
     args = parser.parse_args()
     device = torch.device(args.device)
     sizes = [int(float(s)) // 64 * 64 for s in args.sizes.split(",")]
@@ -293,7 +312,7 @@ def main() -> None:
     if args.counts:
         bench_counts([int(float(s)) for s in args.count_sizes.split(",")], [10, 64], args.repeat)
     if args.apply:
-        bench_apply([int(float(s)) for s in args.count_sizes.split(",")], args.repeat)
+        bench_apply([int(float(s)) for s in args.count_sizes.split(",")], device, args.repeat)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,6 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out
 $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/gpu.txt"
 step $PY -m pytest -q -p no:cacheprovider tests/test_codec.py tests/test_lion.py tests/test_federation.py 2>&1 \
   | tee "$out/tests.txt"
-step $PY benchmarks/codec_speed.py --device cuda --repeat 20 2>&1 | tee "$out/codec_speed_cuda.txt"
+step $PY benchmarks/codec_speed.py --device cuda --apply --repeat 20 2>&1 | tee "$out/codec_speed_cuda.txt"
 step $PY benchmarks/gpu_client.py 2>&1 | tee "$out/gpu_client.txt"
 step $PY benchmarks/round_time.py --rounds 30 --device cuda 2>&1 | tee "$out/round_time_cuda.txt"

@@ -45,7 +45,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from types import ModuleType
-from typing import NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -170,25 +170,41 @@ def pack_local_step_(
     Returns the ⌈d/8⌉ bytes of ``δ = sign(β₁·m + (1−β₁)·g)`` (zeros as coin flips, see
     :func:`pack_signs`) and updates ``m ← β₂·m + (1−β₂)·g`` in place, exactly as the
     composition does: the same bytes, the same coins from ``generator``, the same ``m`` bit
-    for bit. On the CPU with the kernels (float32, contiguous ``m``) it is one fused pass
-    that reads ``m`` and ``g`` once and writes ``m`` and the bits
-    (:func:`flower_dlion.kernels.lion_pack`), instead of five passes and a d-float temporary.
-    The fused step rounds like torch's ``add(alpha=)`` where that is one FMA (x86-64 with
-    AVX2 or AVX-512, Arm64); this is checked once per (β₁, β₂) on a probe against torch
-    itself, and where the two would differ the composition runs instead. Elsewhere (CUDA,
-    other dtypes) it is the composition.
+    for bit. With float32 ``m`` and ``g`` it is one fused pass that reads ``m`` and ``g``
+    once and writes ``m`` and the bits, instead of five passes and a d-float temporary: on
+    the CPU with the kernels (contiguous ``m``; :func:`flower_dlion.kernels.lion_pack`), on
+    a CUDA device with Triton (:func:`flower_dlion.gpu_kernels.lion_pack`). The fused step
+    rounds like torch's ``add(alpha=)`` where that is one FMA (x86-64 with AVX2 or AVX-512,
+    Arm64, CUDA); this is checked once per device type and (β₁, β₂) on a probe against torch
+    itself, and where the two would differ the composition runs instead. Elsewhere (other
+    devices, other dtypes) it is the composition.
     """
-    d = m.numel()
-    fusable = m.device.type == g.device.type == "cpu" and m.dtype == g.dtype == torch.float32
-    kernels = _kernels(d) if fusable and m.is_contiguous() and g.numel() == d else None
-    if kernels is None or not _fused_step_matches_torch(kernels, beta1, beta2):
-        from .lion import local_step_  # the reference: lion.py imports torch only
+    from .lion import local_step_  # the reference: lion.py imports torch only
 
+    d = m.numel()
+    fusable = m.device == g.device and m.dtype == g.dtype == torch.float32 and m.is_contiguous() and g.numel() == d
+    device = m.device.type
+    if fusable and device == "cuda" and (gpu := _gpu_kernels()) is not None:
+        coefs = tuple(float(c) for c in _lion_coefs(beta1, beta2))
+        fused = functools.partial(_lion_pack_cuda, gpu, coefs)
+        if _fused_step_matches_torch(fused, beta1, beta2, m.device):
+            packed, zeros, flag = gpu.lion_pack(m.view(-1), g.reshape(-1).contiguous(), coefs)
+            if int(flag):  # zero directions: the coins pack_signs draws on this device, at those bits
+                coin = torch.randint(0, 2, (d,), generator=generator, device=m.device, dtype=torch.uint8)
+                packed |= zeros & pack_bits(coin.bool())
+            return packed
+    kernels = _kernels(d) if fusable and device == "cpu" else None
+    if kernels is None or not _fused_step_matches_torch(
+        functools.partial(_lion_pack_cpu, kernels, _lion_coefs(beta1, beta2)), beta1, beta2, m.device
+    ):
         return pack_signs(local_step_(m, g, beta1, beta2), generator)
     mh, gh = m.reshape(-1).numpy(), g.reshape(-1).contiguous().numpy()
     packed, zeros = np.empty(packed_size(d), dtype=np.uint8), np.zeros(-(-d // 64), dtype=np.uint64)
     coefs = _lion_coefs(beta1, beta2)
-    found = _on_threads(lambda a, b: kernels.lion_pack(mh, gh, coefs, packed, zeros, a, b), zeros.size, 1 << 13)
+    if (team := _team(kernels, "lion_pack", d)) is not None:
+        found = [team[0].lion_pack(mh, gh, coefs, packed, zeros, team[1])]
+    else:
+        found = _on_threads(lambda a, b: kernels.lion_pack(mh, gh, coefs, packed, zeros, a, b), zeros.size, 1 << 13)
     if any(found):  # zero directions: coin flips, in the order pack_signs draws them
         k = np.flatnonzero(zeros)
         row, bit = np.nonzero(np.unpackbits(zeros[k].view(np.uint8), bitorder="little").reshape(-1, 64))
@@ -201,16 +217,32 @@ def _lion_coefs(beta1: float, beta2: float) -> tuple[np.float32, ...]:
     return tuple(np.float32(c) for c in (beta1, 1.0 - beta1, beta2, 1.0 - beta2))
 
 
-_FUSED_EXACT: dict[tuple[float, float], bool] = {}  # (β₁, β₂) → the fused step equals torch's on the probe
+def _lion_pack_cpu(
+    kernels: ModuleType, coefs: tuple[np.float32, ...], m: torch.Tensor, g: torch.Tensor
+) -> torch.Tensor:
+    """The CPU kernel's fused step on one thread (for the probe): δ > 0 packed, ``m`` updated."""
+    packed, zeros = np.empty(packed_size(m.numel()), np.uint8), np.zeros(-(-m.numel() // 64), np.uint64)
+    kernels.lion_pack(m.numpy(), g.numpy(), coefs, packed, zeros, 0, zeros.size)
+    return torch.from_numpy(packed)
 
 
-def _fused_step_matches_torch(kernels: ModuleType, beta1: float, beta2: float) -> bool:
-    """Whether ``kernels.lion_pack`` gives torch's δ and m bit for bit (checked once per (β₁, β₂)).
+def _lion_pack_cuda(gpu: ModuleType, coefs: tuple[float, ...], m: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """The Triton kernel's fused step (for the probe): δ > 0 packed, ``m`` updated."""
+    return gpu.lion_pack(m, g, coefs)[0]
+
+
+_FUSED_EXACT: dict[tuple[str, float, float], bool] = {}  # (device type, β₁, β₂) → the fused step equals torch's
+
+
+def _fused_step_matches_torch(
+    fused: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], beta1: float, beta2: float, device: torch.device
+) -> bool:
+    """Whether ``fused(m, g)`` gives torch's δ > 0 bits and m bit for bit (checked once per device type, β₁, β₂).
 
     The probe: 3·2¹⁵ + 45 values spanning many magnitudes (past one torch thread's range,
-    with a partial last group), run through both.
+    with a partial last group), run through both on ``device``.
     """
-    key = (float(beta1), float(beta2))
+    key = (device.type, float(beta1), float(beta2))
     if key not in _FUSED_EXACT:
         from .lion import local_step_
 
@@ -218,12 +250,12 @@ def _fused_step_matches_torch(kernels: ModuleType, beta1: float, beta2: float) -
         d = 3 * 2**15 + 45
         m = torch.randn(d, generator=gen) * torch.rand(d, generator=gen).mul(40).sub(20).exp2()
         g = torch.randn(d, generator=gen) * torch.rand(d, generator=gen).mul(40).sub(20).exp2()
+        m, g = m.to(device), g.to(device)
         m_ref = m.clone()
-        expected = np.packbits((local_step_(m_ref, g, beta1, beta2) > 0).numpy(), bitorder="big")
-        mh, packed, zeros = m.numpy(), np.empty(packed_size(d), np.uint8), np.zeros(-(-d // 64), np.uint64)
-        kernels.lion_pack(mh, g.numpy(), _lion_coefs(beta1, beta2), packed, zeros, 0, zeros.size)
-        same_m = np.array_equal(mh.view(np.int32), m_ref.numpy().view(np.int32))
-        _FUSED_EXACT[key] = same_m and np.array_equal(packed, expected)
+        expected = pack_bits(local_step_(m_ref, g, beta1, beta2) > 0)
+        packed = fused(m, g)
+        same_m = torch.equal(m.view(torch.int32), m_ref.view(torch.int32))
+        _FUSED_EXACT[key] = same_m and torch.equal(packed, expected)
     return _FUSED_EXACT[key]
 
 
@@ -237,13 +269,22 @@ def apply_levels_(
     levels (:func:`flower_dlion.kernels.apply_levels`) instead of seven passes and five
     d-sized temporaries; each value goes through the same float32 operations, and the
     L possible steps ``lr·Δ`` are compared with torch's own ones first (where torch would
-    round one differently, the composition runs). Elsewhere it is the composition.
+    round one differently, the composition runs). On a CUDA device (float32, contiguous
+    ``x``, uint8 or int32 levels) one Triton pass does the same with torch's own L steps
+    (:func:`flower_dlion.gpu_kernels.apply_levels`, no FMA contraction). Elsewhere it is
+    the composition.
     A level outside ``0 … L−1`` is a ``ValueError``; the kernel finds it as it goes and
     leaves ``x`` partly updated, so check untrusted levels first (:func:`decode_levels` does).
     """
     from .lion import apply_update_  # the reference: lion.py imports torch only
 
     d, top = x.numel(), num_levels - 1
+    if x.device.type == "cuda" and (gpu := _gpu_kernels()) is not None and _apply_on_gpu(gpu, x, levels, top):
+        steps = levels_to_values(torch.arange(num_levels, device=x.device), num_levels) * lr  # torch's own lr·Δ
+        bad = gpu.apply_levels(x.view(-1), levels.view(-1), steps, float(np.float32(1.0 - lr * weight_decay)))
+        if int(bad):
+            raise ValueError(f"level outside 0…{top}: corrupted update")
+        return x
     on_cpu = x.device.type == levels.device.type == "cpu" and x.dtype == torch.float32
     kernels = _kernels(d) if on_cpu and x.is_contiguous() and levels.numel() == d and top >= 1 else None
     lr32 = np.float32(lr)
@@ -257,10 +298,26 @@ def apply_levels_(
         return apply_update_(x, levels_to_values(levels, num_levels), lr, weight_decay)
     decay = np.float32(1.0 - lr * weight_decay)  # the factor x.mul_ rounds to float32
     xh, kh = x.reshape(-1).numpy(), levels.reshape(-1).contiguous().numpy()
-    worst = _on_threads(lambda a, b: kernels.apply_levels(xh, kh, top, lr32, decay, a, b), d, 1 << 19)
+    if kh.dtype in (np.uint8, np.int32) and (team := _team(kernels, "apply", d)) is not None:
+        worst = [team[0].apply_levels(xh, kh, top, lr32, decay, team[1])]
+    else:
+        worst = _on_threads(lambda a, b: kernels.apply_levels(xh, kh, top, lr32, decay, a, b), d, 1 << 19)
     if max(worst, default=0) > top:
         raise ValueError(f"level outside 0…{top}: corrupted update")
     return x
+
+
+def _apply_on_gpu(gpu: ModuleType, x: torch.Tensor, levels: torch.Tensor, top: int) -> bool:
+    """Whether the Triton apply takes ``x`` and ``levels`` as they are (else the composition runs)."""
+    return (
+        top >= 1
+        and x.dtype == torch.float32
+        and x.is_contiguous()
+        and levels.device == x.device
+        and levels.dtype in (torch.uint8, torch.int32)
+        and levels.is_contiguous()
+        and levels.numel() == x.numel()
+    )
 
 
 # ------------------------------------------------------------------ CPU: kernels and threads
@@ -303,6 +360,35 @@ def _gpu_kernels() -> ModuleType | None:
     return _optional_kernels("gpu_kernels", "Triton on a CUDA device (torch's CUDA builds bring it)")
 
 
+_TEAM_AFTER = 3  # calls of a kernel in this process before it moves onto torch's OpenMP team
+_TEAM_GRAIN = 1 << 18  # values per thread at least on the team (its threads are awake after torch's operations)
+_TEAM_COUNT_GRAIN = 1 << 20  # bytes read and written per thread at least on the team (vote counts)
+_TEAM_CALLS: dict[str, int] = {}  # kernel → calls so far
+_TEAM: list[object] = []  # [kernels.Team or None], made once
+
+
+def _team(kernels: ModuleType, name: str, values: int, grain: int | None = None) -> tuple[Any, int] | None:
+    """The OpenMP team torch runs on (:class:`flower_dlion.kernels.Team`) and a thread count for ``values``, or None.
+
+    None (use :func:`_on_threads`) until the kernel ``name`` has been called ``_TEAM_AFTER``
+    times in this process — the team's tasks take 0.2 s to load once, more than a
+    Deployment Engine ClientApp, one process per message, would ever save — where torch's
+    parallel backend is not OpenMP, and where one thread does it (less than ``grain`` of
+    ``values`` per thread; default ``_TEAM_GRAIN``).
+    """
+    calls = _TEAM_CALLS[name] = _TEAM_CALLS.get(name, 0) + 1
+    threads = min(torch.get_num_threads(), values // (grain or _TEAM_GRAIN))
+    if calls <= _TEAM_AFTER or threads < 2:
+        return None
+    if not _TEAM:
+        openmp = "parallel backend: OpenMP" in torch.__config__.parallel_info()
+        try:
+            _TEAM.append(importlib.import_module(f"{__package__}.kernels").Team() if openmp else None)
+        except AttributeError:  # no GOMP_parallel among the loaded libraries
+            _TEAM.append(None)
+    return None if _TEAM[0] is None else (_TEAM[0], threads)
+
+
 def _on_threads(work: Callable[[int, int], _T], total: int, grain: int) -> list[_T]:
     """``work(first, last)`` over ``[0, total)`` in contiguous parts, one per torch CPU thread.
 
@@ -338,6 +424,8 @@ def _pack_positive_cpu(v: np.ndarray) -> tuple[np.ndarray, bool]:
     out = np.empty(packed_size(d), dtype=np.uint8)
     kernels = _kernels(d)
     if kernels is not None:
+        if (team := _team(kernels, "pack", d)) is not None:  # on torch's threads, awake after its operations
+            return out, team[0].pack_positive(v, out, team[1])
         groups, grain = -(-d // kernels.BLOCK), (1 << 20) // kernels.BLOCK  # waking a thread costs tens of µs
         return out, any(_on_threads(lambda a, b: kernels.pack_positive(v, out, a, b), groups, grain))
 
@@ -408,10 +496,7 @@ def vote_masks(payloads: Sequence[torch.Tensor | bytes | np.ndarray], d: int) ->
     gt, tie = np.empty((2, (nbytes + 7) // 8), dtype=np.uint64)  # one allocation for both masks
     words = _KernelWords(payloads, nbytes)
     planes = n.bit_length()
-    words.run(
-        lambda first, last: kernels.vote_masks(words.addresses, first, last, gt, tie, _scratch(kernels, planes)),
-        out_bytes=2 * 8,
-    )
+    words.count(kernels, gt, tie)
     if words.tail is not None:
         kernels.vote_masks(words.tail, 0, 1, gt[words.whole :], tie[words.whole :], _scratch(kernels, planes))
     return torch.from_numpy(gt.view(np.uint8)[:nbytes]), torch.from_numpy(tie.view(np.uint8)[:nbytes])
@@ -481,6 +566,30 @@ class _KernelWords:
             self._keep.append(tails)
             self.tail = tails.ctypes.data + 8 * np.arange(self.n, dtype=np.int64)
 
+    def count(self, kernels: ModuleType, out: np.ndarray, tie: np.ndarray | None) -> None:
+        """The count planes (``tie`` None) or the vote's masks ``out``, ``tie`` of the whole words, in place.
+
+        On torch's OpenMP team (:func:`_team`; at least 1 MB read and written per thread),
+        else on the codec's own threads.
+        """
+        out_bytes = 8 * out.shape[0] if tie is None else 16
+        planes = self.n.bit_length()
+        team = _team(kernels, "count", self.whole * (8 * self.n + out_bytes), _TEAM_COUNT_GRAIN)
+        if team is not None:
+            team[0].count(self.addresses, self.whole, out, tie, team[1])
+        elif tie is None:
+            self.run(
+                lambda first, last: kernels.count_planes(self.addresses, first, last, out, _scratch(kernels, planes)),
+                out_bytes,
+            )
+        else:
+            self.run(
+                lambda first, last: kernels.vote_masks(
+                    self.addresses, first, last, out, tie, _scratch(kernels, planes)
+                ),
+                out_bytes,
+            )
+
     def run(self, work: Callable[[int, int], None], out_bytes: int) -> None:
         """``work(first, last)`` over the whole words, on as many threads as ``_COUNT_GRAIN`` bytes allow.
 
@@ -531,12 +640,7 @@ def count_planes(
     if kernels is not None:
         planes_np = np.empty((num_planes, nwords), dtype=np.uint64)
         words = _KernelWords(payloads, nbytes)
-        words.run(
-            lambda first, last: kernels.count_planes(
-                words.addresses, first, last, planes_np, _scratch(kernels, num_planes)
-            ),
-            out_bytes=8 * num_planes,
-        )
+        words.count(kernels, planes_np, None)
         if words.tail is not None:
             last = np.empty((num_planes, 1), dtype=np.uint64)
             kernels.count_planes(words.tail, 0, 1, last, _scratch(kernels, num_planes))
@@ -828,7 +932,11 @@ def levels_to_values(k: torch.Tensor, num_levels: int, dtype: torch.dtype = torc
     """Map levels to update values: ``Δ = (2k − (L−1)) / (L−1)``.
 
     The numerator is an exact integer and the one division is correctly rounded, so the
-    server and every client (CPU or GPU) get bit-identical Δ from the same levels.
+    server and every client (CPU or GPU) get bit-identical Δ from the same levels. The
+    divisor is a tensor on ``k``'s device: divided by a Python number, torch's CUDA kernel
+    multiplies by the number's rounded reciprocal instead, 1 ulp off for some levels of
+    L − 1 = 7, 11, 12, … (the mean of that many votes), and GPU replicas would drift from
+    the server's x.
     """
     top = num_levels - 1
-    return (2 * k.to(torch.int32) - top).to(dtype) / top
+    return (2 * k.to(torch.int32) - top).to(dtype) / torch.full((), top, dtype=dtype, device=k.device)

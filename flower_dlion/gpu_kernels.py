@@ -1,21 +1,26 @@
-"""Fused GPU kernels for the sign pack and the vote count (Triton; used by :mod:`flower_dlion.codec`).
+"""Fused GPU kernels: the client's step, the sign pack, applying Δ, the vote count (Triton; for :mod:`.codec`).
 
-One kernel reads the Lion direction once and writes its packed signs: each program
+The pack reads the Lion direction once and writes its packed signs: each program
 loads ``8·BYTES`` consecutive float32 values as a ``(BYTES, 8)`` tile, compares them with
 zero and folds each row of 8 bits into one byte (MSB first, the layout of
 :func:`numpy.packbits`), so the ``⌈d/8⌉`` bytes leave in one pass instead of the dozen
 passes and launches of the tensor-operation path. A one-element flag records whether
-any exact zero was seen (the codec then sends coin flips for those).
+any exact zero was seen (the codec then sends coin flips for those). The client's whole
+step (:func:`lion_pack`) does the same from m and g, writing the new momentum as it goes
+and the packed mask of zero directions beside the signs. :func:`apply_levels` applies a
+broadcast Δ from its levels with torch's own L steps ``lr·Δ``, one read of x.
 
 The vote count reads the n payloads through a table of their addresses (no stacking
-copy): each program adds its bytes of every payload into per-value counters held in
-registers (the bits are unpacked there, never in memory) and writes what was asked — the
-int32 counts, the vote's two packed masks, or the counts' packed bit planes (the mean's
-levels).
+copy). For the vote's masks and the mean's planes every 32-bit lane of a program is a
+bit-sliced counter of 32 values (up to 12 bit planes in registers, n ≤ 4,095): adding a
+payload costs two bitwise operations per plane for 32 values, and the planes are the
+mean's broadcast as they stand; the masks "count > n/2" and "count = n/2" are compared
+plane by plane from the top. The int32 counts (and more than 4,095 payloads) use
+per-value counters in registers instead. Nothing is ever unpacked in memory.
 
 Imports only torch and Triton (shipped with torch's CUDA builds on Linux); with
-``TRITON_INTERPRET=1`` set before import, the same kernel runs on CPU tensors, which is
-how the tests check it without a GPU.
+``TRITON_INTERPRET=1`` set before import, the same kernels run on CPU tensors, which is
+how the tests check them without a GPU.
 """
 
 from __future__ import annotations
@@ -70,6 +75,121 @@ def pack_positive(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return out, flag
 
 
+@triton.jit
+def _lion_pack(m_ptr, g_ptr, out_ptr, zero_ptr, flag_ptr, d, nbytes, b1, a1, b2, a2, BYTES: tl.constexpr):
+    byte = tl.program_id(0).to(tl.int64) * BYTES + tl.arange(0, BYTES)  # this program's output bytes
+    bit = tl.arange(0, 8)  # bit j of a byte holds value 8·byte + j, MSB first
+    idx = byte[:, None] * 8 + bit[None, :]  # (BYTES, 8) value indices
+    inside = idx < d
+    m = tl.load(m_ptr + idx, mask=inside, other=0.0)  # one read of m
+    g = tl.load(g_ptr + idx, mask=inside, other=0.0)  # one read of g
+    mix = tl.fma(g, a1, m * b1)  # β₁·m + (1−β₁)·g, rounded as torch's m.mul(β₁).add_(g, alpha=1−β₁)
+    tl.store(m_ptr + idx, tl.fma(g, a2, m * b2), mask=inside)  # m ← β₂·m + (1−β₂)·g, from the old m
+    weight = (128 >> bit).to(tl.int32)  # 128, 64, …, 1
+    packed = tl.sum((mix > 0).to(tl.int32) * weight[None, :], axis=1)  # δ = +1 → bit 1
+    zero = ((mix == 0) | (mix != mix)) & inside  # sign(mix) = 0: mix = ±0 or NaN (torch.sign gives 0)
+    tl.store(out_ptr + byte, packed.to(tl.uint8), mask=byte < nbytes)
+    tl.store(zero_ptr + byte, tl.sum(zero.to(tl.int32) * weight[None, :], axis=1).to(tl.uint8), mask=byte < nbytes)
+    if tl.sum(zero.to(tl.int32)) > 0:
+        tl.atomic_max(flag_ptr, 1)
+
+
+def lion_pack(
+    m: torch.Tensor, g: torch.Tensor, coefs: tuple[float, float, float, float]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One Lion step fused with the pack: one read of ``m`` and ``g``, ``m`` written in place.
+
+    Computes ``c = β₁·m + (1−β₁)·g`` as ``fma(1−β₁, g, fl(β₁·m))`` (how torch's
+    ``m.mul(β₁).add_(g, alpha=1−β₁)`` rounds where its add is one FMA), packs the bits of
+    ``c > 0`` like :func:`pack_positive`, and sets ``m ← fma(1−β₂, g, fl(β₂·m))``.
+
+    Parameters
+    ----------
+    m, g : torch.Tensor
+        Contiguous 1-D float32 tensors of the same length d on one device (a CUDA device;
+        any device under ``TRITON_INTERPRET=1``, whose emulated FMA rounds twice). ``m`` is
+        updated in place.
+    coefs : tuple of float
+        ``(β₁, 1−β₁, β₂, 1−β₂)``, each exactly a float32 value.
+
+    Returns
+    -------
+    tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+        The ⌈d/8⌉ packed bytes of δ > 0, the ⌈d/8⌉ packed bytes of "δ = 0" (c = ±0 or NaN),
+        and a flag (int32, 1 if there is such a zero direction), all on ``m``'s device;
+        nothing is synchronized.
+
+    """
+    for name, t in (("m", m), ("g", g)):
+        if t.dtype != torch.float32 or t.dim() != 1 or not t.is_contiguous():
+            raise ValueError(f"lion_pack needs contiguous 1-D float32 tensors, got {name}: {t.dtype} {tuple(t.shape)}")
+    if g.numel() != m.numel() or g.device != m.device:
+        raise ValueError(f"m ({m.numel()} on {m.device}) and g ({g.numel()} on {g.device}) differ")
+    d = m.numel()
+    nbytes = (d + 7) // 8
+    out = torch.empty(nbytes, dtype=torch.uint8, device=m.device)
+    zero = torch.empty(nbytes, dtype=torch.uint8, device=m.device)
+    flag = torch.zeros(1, dtype=torch.int32, device=m.device)
+    if d:
+        _lion_pack[(triton.cdiv(nbytes, STEP_BYTES),)](m, g, out, zero, flag, d, nbytes, *coefs, BYTES=STEP_BYTES)
+    return out, zero, flag
+
+
+STEP_BYTES = 512  # packed bytes per program of the fused step: 4,096 values, 32 kB read
+
+
+@triton.jit
+def _apply_levels(x_ptr, k_ptr, steps_ptr, bad_ptr, d, top, decay, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = i < d
+    k = tl.load(k_ptr + i, mask=inside, other=0).to(tl.int32)  # the level of each value
+    ok = (k >= 0) & (k <= top)
+    step = tl.load(steps_ptr + tl.where(ok, k, 0), mask=inside, other=0.0)  # torch's own lr·Δ for level k
+    x = tl.load(x_ptr + i, mask=inside, other=0.0)
+    tl.store(x_ptr + i, x * decay - step, mask=inside)  # x·(1 − lr·wd), then − lr·Δ: two roundings, no FMA
+    if tl.sum((inside & ~ok).to(tl.int32)) > 0:
+        tl.atomic_max(bad_ptr, 1)
+
+
+APPLY_BLOCK = 4096  # values per program of the apply
+
+
+def apply_levels(x: torch.Tensor, levels: torch.Tensor, steps: torch.Tensor, decay: float) -> torch.Tensor:
+    """In place: ``x ← fl(x·decay) − steps[k]`` for the level ``k`` of each value; one read of x and the levels.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        Contiguous 1-D float32 tensor (updated in place).
+    levels : torch.Tensor
+        Contiguous 1-D uint8 or int32 levels, one per value of ``x``, on ``x``'s device.
+    steps : torch.Tensor
+        float32 ``lr·Δ`` for each of the L levels (as torch computes them), on ``x``'s device.
+    decay : float
+        ``1 − lr·wd``, exactly a float32 value.
+
+    Returns
+    -------
+    torch.Tensor
+        A flag (int32, on ``x``'s device, not synchronized): 1 if a level was outside
+        ``0 … L−1`` (those values took step 0's value; ``x`` is then corrupted).
+
+    """
+    if x.dtype != torch.float32 or x.dim() != 1 or not x.is_contiguous():
+        raise ValueError(f"apply_levels needs a contiguous 1-D float32 x, got {x.dtype} {tuple(x.shape)}")
+    if levels.dtype not in (torch.uint8, torch.int32) or levels.shape != x.shape or not levels.is_contiguous():
+        raise ValueError(f"levels must be contiguous uint8 or int32 of shape {tuple(x.shape)}, got {levels.dtype} "
+                         f"{tuple(levels.shape)}")  # fmt: skip
+    bad = torch.zeros(1, dtype=torch.int32, device=x.device)
+    d = x.numel()
+    if d:
+        grid = (triton.cdiv(d, APPLY_BLOCK),)
+        _apply_levels[grid](
+            x, levels, steps, bad, d, steps.numel() - 1, decay, BLOCK=APPLY_BLOCK, enable_fp_fusion=False
+        )
+    return bad
+
+
 COUNT_BYTES = 256  # payload bytes per program of the vote count: 2,048 counters in registers
 _COUNTS, _MASKS, _PLANES = 0, 1, 2  # what the count kernel writes
 
@@ -111,6 +231,141 @@ def _count_votes(
             tl.store(out_ptr + j * nbytes + byte, plane.to(tl.uint8), mask=inside)
 
 
+@triton.jit
+def _add(p, c):
+    """One bit plane of a carry-save counter: ``(p ^ c, p & c)`` — the plane's new bits and the carry."""
+    return p ^ c, p & c
+
+
+@triton.jit
+def _compare(p, j: tl.constexpr, threshold, gt, eq):
+    """Bit j of a bit-sliced ``count ? threshold``, taken from the top bit down: update ``gt`` and ``eq``."""
+    t = -((threshold >> j) & 1)  # bit j of the threshold in every lane: 0 or all ones
+    return gt | (eq & p & ~t), eq & ~(p ^ t)
+
+
+@triton.jit
+def _put_words(ptr, word, byte, inside, shift):
+    """Store 32-bit lanes as their 4 bytes (byte k = bits 8k … 8k+7, as they were read)."""
+    tl.store(ptr + byte, ((word[:, None] >> shift[None, :]) & 0xFF).to(tl.uint8), mask=inside)
+
+
+MAX_SLICED_PLANES = 12  # the bit-sliced count keeps up to 12 planes in registers: n ≤ 4,095 payloads
+SLICED_WORDS = 512  # 32-bit lanes per program of the bit-sliced count: 2 kB of every payload
+
+
+@triton.jit
+def _count_sliced(
+    addr_ptr,
+    n,
+    nbytes,
+    threshold,
+    ties,
+    out_ptr,
+    tie_ptr,
+    WHAT: tl.constexpr,
+    PLANES: tl.constexpr,
+    WORDS: tl.constexpr,
+):
+    # this program's bytes of every payload, as (WORDS, 4): 32 values per lane, every lane a carry-save counter
+    byte = tl.program_id(0).to(tl.int64) * (4 * WORDS) + tl.arange(0, WORDS)[:, None] * 4 + tl.arange(0, 4)[None, :]
+    inside = byte < nbytes
+    shift = 8 * tl.arange(0, 4)  # byte k of a lane at bits 8k … 8k+7: bitwise work keeps every value in place
+    zero = tl.zeros((WORDS,), dtype=tl.int32)
+    p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11 = (
+        zero,
+        zero,
+        zero,
+        zero,
+        zero,
+        zero,
+        zero,
+        zero,
+        zero,
+        zero,
+        zero,
+        zero,
+    )
+    for i in range(n):
+        payload = tl.load(addr_ptr + i).to(tl.pointer_type(tl.uint8))  # payload i's address
+        x = tl.load(payload + byte, mask=inside, other=0).to(tl.int32)  # one read of each payload byte
+        c = tl.sum(x << shift[None, :], axis=1)  # 4 bytes → one 32-bit lane (disjoint bits: the sum is an OR)
+        p0, c = _add(p0, c)  # count += bit, plane by plane: 2 operations per plane for 32 values
+        if PLANES > 1:
+            p1, c = _add(p1, c)
+        if PLANES > 2:
+            p2, c = _add(p2, c)
+        if PLANES > 3:
+            p3, c = _add(p3, c)
+        if PLANES > 4:
+            p4, c = _add(p4, c)
+        if PLANES > 5:
+            p5, c = _add(p5, c)
+        if PLANES > 6:
+            p6, c = _add(p6, c)
+        if PLANES > 7:
+            p7, c = _add(p7, c)
+        if PLANES > 8:
+            p8, c = _add(p8, c)
+        if PLANES > 9:
+            p9, c = _add(p9, c)
+        if PLANES > 10:
+            p10, c = _add(p10, c)
+        if PLANES > 11:
+            p11, c = _add(p11, c)
+    if WHAT == 1:  # the vote's masks: count > n/2 and count = n/2 (n even), compared from the top plane down
+        gt, eq = zero, zero - 1
+        if PLANES > 11:
+            gt, eq = _compare(p11, 11, threshold, gt, eq)
+        if PLANES > 10:
+            gt, eq = _compare(p10, 10, threshold, gt, eq)
+        if PLANES > 9:
+            gt, eq = _compare(p9, 9, threshold, gt, eq)
+        if PLANES > 8:
+            gt, eq = _compare(p8, 8, threshold, gt, eq)
+        if PLANES > 7:
+            gt, eq = _compare(p7, 7, threshold, gt, eq)
+        if PLANES > 6:
+            gt, eq = _compare(p6, 6, threshold, gt, eq)
+        if PLANES > 5:
+            gt, eq = _compare(p5, 5, threshold, gt, eq)
+        if PLANES > 4:
+            gt, eq = _compare(p4, 4, threshold, gt, eq)
+        if PLANES > 3:
+            gt, eq = _compare(p3, 3, threshold, gt, eq)
+        if PLANES > 2:
+            gt, eq = _compare(p2, 2, threshold, gt, eq)
+        if PLANES > 1:
+            gt, eq = _compare(p1, 1, threshold, gt, eq)
+        gt, eq = _compare(p0, 0, threshold, gt, eq)
+        _put_words(out_ptr, gt, byte, inside, shift)
+        _put_words(tie_ptr, eq & -ties, byte, inside, shift)
+    else:  # the bit planes of the counts: already packed like the payloads
+        _put_words(out_ptr, p0, byte, inside, shift)
+        if PLANES > 1:
+            _put_words(out_ptr + nbytes, p1, byte, inside, shift)
+        if PLANES > 2:
+            _put_words(out_ptr + 2 * nbytes, p2, byte, inside, shift)
+        if PLANES > 3:
+            _put_words(out_ptr + 3 * nbytes, p3, byte, inside, shift)
+        if PLANES > 4:
+            _put_words(out_ptr + 4 * nbytes, p4, byte, inside, shift)
+        if PLANES > 5:
+            _put_words(out_ptr + 5 * nbytes, p5, byte, inside, shift)
+        if PLANES > 6:
+            _put_words(out_ptr + 6 * nbytes, p6, byte, inside, shift)
+        if PLANES > 7:
+            _put_words(out_ptr + 7 * nbytes, p7, byte, inside, shift)
+        if PLANES > 8:
+            _put_words(out_ptr + 8 * nbytes, p8, byte, inside, shift)
+        if PLANES > 9:
+            _put_words(out_ptr + 9 * nbytes, p9, byte, inside, shift)
+        if PLANES > 10:
+            _put_words(out_ptr + 10 * nbytes, p10, byte, inside, shift)
+        if PLANES > 11:
+            _put_words(out_ptr + 11 * nbytes, p11, byte, inside, shift)
+
+
 def _launch_count(payloads: Sequence[torch.Tensor], d: int, what: int, *outs: torch.Tensor) -> None:
     nbytes = (d + 7) // 8
     for p in payloads:
@@ -120,11 +375,18 @@ def _launch_count(payloads: Sequence[torch.Tensor], d: int, what: int, *outs: to
             raise ValueError(f"payloads on {p.device} and {outs[0].device}: put them on one device")
     n = len(payloads)
     addresses = torch.tensor([p.data_ptr() for p in payloads], dtype=torch.int64).to(outs[0].device)
-    grid = (triton.cdiv(nbytes, COUNT_BYTES),)
     tie = outs[1] if len(outs) > 1 else outs[0]
+    planes = max(1, n.bit_length())
+    if what != _COUNTS and planes <= MAX_SLICED_PLANES:  # masks and planes straight from bit-sliced counters
+        grid = (triton.cdiv(nbytes, 4 * SLICED_WORDS),)
+        _count_sliced[grid](
+            addresses, n, nbytes, n // 2, int(n % 2 == 0), outs[0], tie, WHAT=what, PLANES=planes, WORDS=SLICED_WORDS
+        )
+        return
+    grid = (triton.cdiv(nbytes, COUNT_BYTES),)
     _count_votes[grid](
         addresses, n, nbytes, d, n // 2, int(n % 2 == 0), outs[0], tie,
-        WHAT=what, PLANES=max(1, n.bit_length()), BYTES=COUNT_BYTES,
+        WHAT=what, PLANES=planes, BYTES=COUNT_BYTES,
     )  # fmt: skip
 
 

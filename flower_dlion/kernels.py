@@ -4,8 +4,11 @@ Optional: :mod:`flower_dlion.codec` uses them when numba is installed (the ``fas
 and falls back to numpy otherwise, with bit-identical results (the tests run both). Imports
 numpy and numba only (and llvmlite, numba's code generator, for one vector compare). Each
 kernel works on a range of its output, releases the GIL, and is called by the codec on
-torch's CPU threads, one range per thread; numba's own threading layer is not used, so the
-kernels are safe to call from any number of threads at once.
+several threads, one range per thread: on the codec's own threads, or (:class:`Team`, for the
+client's pack, Lion step and apply once a process calls them repeatedly) on the OpenMP team
+torch itself runs on, whose threads are still awake after torch's last operation. numba's
+own threading layer is not used, so the kernels are safe to call from any number of threads
+at once.
 
 Why fused: numpy does "compare" and "pack" as two passes, and the fallback's bit-sliced vote
 is five torch operations per pair of payloads on 512 kB chunks; here each value (each payload
@@ -34,6 +37,9 @@ checks every payload's length and keeps the arrays alive during the call.
 """
 
 from __future__ import annotations
+
+import ctypes
+import functools
 
 import numba
 import numpy as np
@@ -695,3 +701,208 @@ def count_ones(addresses: np.ndarray, first: int, last: int, counts: np.ndarray,
         m = min(CHUNK_WORDS, last - start)
         _count_chunk(addresses, start, m, acc, pending, has, carry)
         _emit_counts(acc, m, counts[64 * start : 64 * (start + m)])
+
+
+# ------------------------------------------------------------- on torch's OpenMP threads
+# torch runs its CPU operations on an OpenMP team whose threads spin for a while after each
+# operation; a kernel that follows one (the pack after backward) finds them awake. A task
+# below is a C callback that GOMP_parallel runs once on each thread of that team: each
+# thread takes parts of the work (an atomic counter in the task's int64 arguments) until
+# none is left, so a thread that wakes late takes fewer parts and none is waited for twice.
+_TASK = types.void(types.voidptr)
+
+
+@intrinsic
+def _next_part(typingctx: object, args: types.Type) -> tuple:
+    """Atomically add 1 to the int64 at ``args`` (a task's part counter); returns the old value."""
+    sig = types.int64(types.voidptr)
+
+    def codegen(context: object, builder: ir.IRBuilder, signature: object, a: tuple) -> object:
+        counter = builder.bitcast(a[0], ir.IntType(64).as_pointer())
+        return builder.atomic_rmw("add", counter, ir.Constant(ir.IntType(64), 1), "monotonic")
+
+    return sig, codegen
+
+
+def _pointer_to(dtype: types.Type) -> object:
+    """An intrinsic: an address (int64) as a pointer to ``dtype``, for :func:`numba.carray`."""
+
+    @intrinsic
+    def at(typingctx: object, address: types.Type) -> tuple:
+        sig = types.CPointer(dtype)(types.int64)
+
+        def codegen(context: object, builder: ir.IRBuilder, signature: object, a: tuple) -> object:
+            return builder.inttoptr(a[0], context.get_value_type(types.CPointer(dtype)))
+
+        return sig, codegen
+
+    return at
+
+
+_f32_at, _u8_at, _i32_at, _i64_at, _u64_at = (
+    _pointer_to(t) for t in (types.float32, types.uint8, types.int32, types.int64, types.uint64)
+)
+
+
+@functools.cache
+def _pack_task() -> object:
+    """The task, compiled on first use (loaded from numba's cache: 0.2 s for a process's first task)."""
+
+    @numba.cfunc(_TASK, cache=True)
+    def task(args: object) -> None:  # int64 [next, parts, groups, v, d, out, found]
+        a = numba.carray(args, 7, np.int64)
+        parts, groups, d = a[1], a[2], a[4]
+        v, out, found = (
+            numba.carray(_f32_at(a[3]), d),
+            numba.carray(_u8_at(a[5]), (d + 7) // 8),
+            numba.carray(_u8_at(a[6]), parts),
+        )
+        p = _next_part(args)
+        while p < parts:
+            found[p] = pack_positive(v, out, groups * p // parts, groups * (p + 1) // parts)
+            p = _next_part(args)
+
+    return task
+
+
+@functools.cache
+def _lion_pack_task() -> object:
+    """The task, compiled on first use (loaded from numba's cache: 0.2 s for a process's first task)."""
+
+    @numba.cfunc(_TASK, cache=True)
+    def task(args: object) -> None:  # int64 [next, parts, groups, m, g, d, coefs, out, zeros, found]
+        a = numba.carray(args, 10, np.int64)
+        parts, groups, d = a[1], a[2], a[5]
+        m, g = numba.carray(_f32_at(a[3]), d), numba.carray(_f32_at(a[4]), d)
+        c = numba.carray(_f32_at(a[6]), 4)
+        coefs = (c[0], c[1], c[2], c[3])
+        out, zeros = numba.carray(_u8_at(a[7]), (d + 7) // 8), numba.carray(_u64_at(a[8]), groups)
+        found = numba.carray(_u8_at(a[9]), parts)
+        p = _next_part(args)
+        while p < parts:
+            found[p] = lion_pack(m, g, coefs, out, zeros, groups * p // parts, groups * (p + 1) // parts)
+            p = _next_part(args)
+
+    return task
+
+
+@functools.cache
+def _apply_task() -> object:
+    """The task, compiled on first use (loaded from numba's cache: 0.2 s for a process's first task)."""
+
+    @numba.cfunc(_TASK, cache=True)
+    def task(args: object) -> None:  # int64 [next, parts, d, x, levels, wide, top, scalars, worst]
+        a = numba.carray(args, 9, np.int64)
+        parts, d, top = a[1], a[2], a[6]
+        x, s = numba.carray(_f32_at(a[3]), d), numba.carray(_f32_at(a[7]), 2)  # s: lr, decay
+        worst = numba.carray(_u64_at(a[8]), parts)
+        p = _next_part(args)
+        while p < parts:
+            first, last = d * p // parts, d * (p + 1) // parts
+            if a[5]:  # int32 levels
+                worst[p] = apply_levels(x, numba.carray(_i32_at(a[4]), d), top, s[0], s[1], first, last)
+            else:  # uint8 levels
+                worst[p] = apply_levels(x, numba.carray(_u8_at(a[4]), d), top, s[0], s[1], first, last)
+            p = _next_part(args)
+
+    return task
+
+
+@functools.cache
+def _count_task() -> object:
+    """The task, compiled on first use (loaded from numba's cache: 0.2 s for a process's first task)."""
+
+    @numba.cfunc(_TASK, cache=True)
+    def task(args: object) -> None:  # int64 [next, parts, whole, addresses, n, vote, out, tie, rows, cols]
+        a = numba.carray(args, 10, np.int64)
+        parts, whole, n, vote = a[1], a[2], a[4], a[5]
+        addresses = numba.carray(_i64_at(a[3]), n)
+        out, tie = numba.carray(_u64_at(a[6]), (a[8], a[9])), numba.carray(_u64_at(a[7]), a[9])
+        b, t = 0, n
+        while t:  # B = ⌊log₂ n⌋ + 1 planes
+            b, t = b + 1, t >> 1
+        work = np.empty((2 * max(b, 3) + 2, CHUNK_WORDS), np.uint64)  # this thread's counters (see scratch)
+        p = _next_part(args)
+        while p < parts:
+            first, last = whole * p // parts, whole * (p + 1) // parts
+            if vote:
+                vote_masks(addresses, first, last, out[0], tie, work)
+            else:
+                count_planes(addresses, first, last, out, work)
+            p = _next_part(args)
+
+    return task
+
+
+class Team:
+    """Runs a task on torch's OpenMP team: ``GOMP_parallel`` of the runtime already loaded.
+
+    Works with GNU libgomp and LLVM's libomp (which provides the same entry point); the
+    codec makes one only when torch's parallel backend is OpenMP. The call releases the
+    GIL; calls from several threads get a team each (OpenMP's rules), and a call from
+    inside a parallel region runs on the calling thread alone. Every part is done before
+    :meth:`run` returns.
+    """
+
+    PARTS_PER_THREAD = 4  # a thread that wakes late leaves its parts to the others
+
+    def __init__(self) -> None:
+        self._parallel = ctypes.CDLL(None).GOMP_parallel  # AttributeError where no OpenMP is loaded
+        self._parallel.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
+        self._parallel.restype = None
+
+    def run(self, task: object, args: np.ndarray, threads: int) -> None:
+        """``task(args)`` on ``threads`` threads; ``args[0]`` (the part counter) must be 0."""
+        self._parallel(task.address, args.ctypes.data, threads, 0)
+
+    def pack_positive(self, v: np.ndarray, out: np.ndarray, threads: int) -> bool:
+        """:func:`pack_positive` of every group on ``threads`` threads; whether ``v`` has an exact zero."""
+        parts = threads * self.PARTS_PER_THREAD
+        found = np.zeros(parts, dtype=np.uint8)
+        args = np.array(
+            [0, parts, -(-v.size // BLOCK), v.ctypes.data, v.size, out.ctypes.data, found.ctypes.data], dtype=np.int64
+        )
+        self.run(_pack_task(), args, threads)
+        return bool(found.any())
+
+    def lion_pack(
+        self, m: np.ndarray, g: np.ndarray, coefs: tuple, out: np.ndarray, zeros: np.ndarray, threads: int
+    ) -> bool:
+        """:func:`lion_pack` of every group on ``threads`` threads; whether there is a zero direction."""
+        parts = threads * self.PARTS_PER_THREAD
+        found, c = np.zeros(parts, dtype=np.uint8), np.array(coefs, dtype=np.float32)
+        args = np.array(
+            [0, parts, zeros.size, m.ctypes.data, g.ctypes.data, m.size, c.ctypes.data, out.ctypes.data,
+             zeros.ctypes.data, found.ctypes.data], dtype=np.int64,
+        )  # fmt: skip
+        self.run(_lion_pack_task(), args, threads)
+        return bool(found.any())
+
+    def apply_levels(
+        self, x: np.ndarray, levels: np.ndarray, top: int, lr: np.float32, decay: np.float32, threads: int
+    ) -> int:
+        """:func:`apply_levels` of every value on ``threads`` threads (uint8 or int32 levels); the largest level."""
+        if levels.dtype not in (np.uint8, np.int32):
+            raise TypeError(f"levels must be uint8 or int32, got {levels.dtype}")
+        parts = threads * self.PARTS_PER_THREAD
+        worst, s = np.zeros(parts, dtype=np.uint64), np.array([lr, decay], dtype=np.float32)
+        args = np.array(
+            [0, parts, x.size, x.ctypes.data, levels.ctypes.data, int(levels.dtype == np.int32), top, s.ctypes.data,
+             worst.ctypes.data], dtype=np.int64,
+        )  # fmt: skip
+        self.run(_apply_task(), args, threads)
+        return int(worst.max())
+
+    def count(self, addresses: np.ndarray, whole: int, out: np.ndarray, tie: np.ndarray | None, threads: int) -> None:
+        """:func:`count_planes` or :func:`vote_masks` of the words ``0 … whole−1`` on ``threads`` threads.
+
+        With ``tie`` None ``out`` gets the (B, words) count planes; else ``out`` (1-D) gets
+        the mask count > n/2 and ``tie`` the mask count = n/2.
+        """
+        parts = threads * self.PARTS_PER_THREAD
+        rows = out.shape[0] if tie is None else 1
+        args = np.array(
+            [0, parts, whole, addresses.ctypes.data, addresses.size, int(tie is not None), out.ctypes.data,
+             (out if tie is None else tie).ctypes.data, rows, out.shape[-1]], dtype=np.int64,
+        )  # fmt: skip
+        self.run(_count_task(), args, threads)

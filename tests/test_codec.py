@@ -1,5 +1,6 @@
 """Bit codec: exact round trips, exact sizes, numpy-compatible layout; numpy and the kernels alike."""
 
+import functools
 import importlib.util
 import os
 import sys
@@ -168,6 +169,19 @@ def test_levels_to_values() -> None:
     assert codec.levels_to_values(torch.tensor([0, 1]), 2).tolist() == [-1.0, 1.0]
     assert codec.levels_to_values(torch.tensor([0, 1, 2]), 3).tolist() == [-1.0, 0.0, 1.0]
     assert codec.levels_to_values(torch.tensor([0, 1, 2, 3, 4]), 5).tolist() == [-1.0, -0.5, 0.0, 0.5, 1.0]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_levels_to_values_is_correctly_rounded_on_every_device(device: str) -> None:
+    # Prepare: every level of L = 2 … 300; the reference is numpy's float32 division (IEEE, one rounding),
+    # which a multiplication by the rounded reciprocal 1/(L−1) misses at some levels from L − 1 = 7 on
+    for num_levels in range(2, 301):
+        top = num_levels - 1
+        expected = np.arange(-top, top + 1, 2, dtype=np.float32) / np.float32(top)
+        # Execute
+        got = codec.levels_to_values(torch.arange(num_levels, device=device), num_levels)
+        # Assert: the same float32 bits (a GPU replica applies the server's Δ exactly)
+        assert np.array_equal(got.cpu().numpy().view(np.int32), expected.view(np.int32)), num_levels
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -353,6 +367,7 @@ def test_kernel_counts_on_two_threads_with_a_partial_last_word(n: int, monkeypat
     # Prepare: d = 10⁶ + 3 (⌈d/8⌉ = 125,001 bytes: one partial word), two threads even for a few payloads
     torch.set_num_threads(max(2, torch.get_num_threads()))
     monkeypatch.setattr(codec, "_COUNT_GRAIN", 1 << 15)
+    monkeypatch.setattr(codec, "_TEAM_AFTER", 1 << 30)  # the codec's own threads (torch's team: its own test)
     d = 1_000_003
     rng = np.random.default_rng(n)
     payloads = [rng.integers(0, 256, codec.packed_size(d), dtype=np.uint8).tobytes() for _ in range(n)]
@@ -462,6 +477,101 @@ def test_fused_step_on_two_threads_with_zero_directions_and_a_partial_group() ->
     assert _same_floats(m, m_ref)
 
 
+@pytest.fixture
+def team(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The kernels on torch's OpenMP team from the first call, two threads from 64 values; counts its runs."""
+    from flower_dlion import kernels as real
+
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        pytest.skip("torch does not run on OpenMP here")
+    torch.set_num_threads(max(2, torch.get_num_threads()))
+    monkeypatch.setenv(codec.KERNELS_ENV, "on")
+    monkeypatch.setattr(codec, "_TEAM_AFTER", 0)
+    monkeypatch.setattr(codec, "_TEAM_GRAIN", 32)
+    monkeypatch.setattr(codec, "_TEAM_COUNT_GRAIN", 1 << 10)
+    runs: list[int] = []
+    run = real.Team.run
+    monkeypatch.setattr(
+        real.Team, "run", lambda self, task, args, threads: runs.append(threads) or run(self, task, args, threads)
+    )
+    return runs
+
+
+@pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
+@pytest.mark.parametrize("d", [64, 65, 1_000, 100_003, 2_000_013])
+@pytest.mark.parametrize("zeros", [0, 7])
+def test_kernels_on_torchs_team_equal_the_composition(d: int, zeros: int, team: list[int]) -> None:
+    # Prepare: the references are the compositions without the kernels, with the same coin generator
+    m, g = _step_inputs(d, zeros, d)
+    v = lion.direction(m, g, 0.9)
+    m_ref = m.clone()
+    x = torch.randn(d, generator=torch.Generator().manual_seed(d))
+    x8 = x.clone()
+    levels = torch.randint(0, 11, (d,), generator=torch.Generator().manual_seed(1), dtype=torch.int32)
+    with kernels("off"):
+        expected_pack = codec.pack_signs(v, torch.Generator().manual_seed(5))
+        expected_step = codec.pack_signs(lion.local_step_(m_ref, g, 0.9, 0.99), torch.Generator().manual_seed(5))
+    expected_x = lion.apply_update_(x.clone(), codec.levels_to_values(levels, 11), 0.01, 0.1)
+    # Execute: the pack, the fused step and the apply (int32 and uint8 levels), each on the team
+    packed = codec.pack_signs(v, torch.Generator().manual_seed(5))
+    step = codec.pack_local_step_(m, g, 0.9, 0.99, torch.Generator().manual_seed(5))
+    codec.apply_levels_(x, levels, 11, 0.01, 0.1)
+    codec.apply_levels_(x8, levels.to(torch.uint8), 11, 0.01, 0.1)
+    # Assert: four runs on two threads; the same bytes (coins included) and floats bit for bit
+    assert team == [2, 2, 2, 2]
+    assert torch.equal(packed, expected_pack)
+    assert torch.equal(step, expected_step) and _same_floats(m, m_ref)
+    assert _same_floats(x, expected_x) and _same_floats(x8, expected_x)
+
+
+@pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
+@pytest.mark.parametrize("n", [3, 8, 9, 64])
+def test_vote_counts_on_torchs_team_equal_numpys(n: int, team: list[int]) -> None:
+    # Prepare: d = 10⁶ + 3 (a partial last word), n payloads as Flower delivers them (bytes)
+    d = 1_000_003
+    rng = np.random.default_rng(n)
+    payloads = [rng.integers(0, 256, codec.packed_size(d), dtype=np.uint8).tobytes() for _ in range(n)]
+    with kernels("off"):
+        planes, (gt, tie) = codec.count_planes(payloads, d), codec.vote_masks(payloads, d)
+    # Execute: the planes (the mean) and the masks (the vote), each on the team
+    got_planes, (got_gt, got_tie) = codec.count_planes(payloads, d), codec.vote_masks(payloads, d)
+    # Assert: two runs on two threads; numpy's planes and masks
+    assert team == [2, 2]
+    assert torch.equal(got_planes, planes) and torch.equal(got_gt, gt) and torch.equal(got_tie, tie)
+
+
+@pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
+def test_kernels_on_torchs_team_from_many_threads_at_once(team: list[int]) -> None:
+    # Prepare: 8 Python threads, each packing its own vector 10 times (each call gets a team of its own)
+    from concurrent.futures import ThreadPoolExecutor
+
+    vectors = [torch.randn(100_003, generator=torch.Generator().manual_seed(i)) for i in range(8)]
+    expected = [np.packbits((v > 0).numpy(), bitorder="big") for v in vectors]
+    # Execute
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda i: [codec.pack_signs(vectors[i]).numpy() for _ in range(10)], range(8)))
+    # Assert: every call on the team, every result right
+    assert len(team) == 80
+    assert all(np.array_equal(r, expected[i]) for i in range(8) for r in got[i])
+
+
+@pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
+def test_kernels_move_onto_the_team_only_after_some_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flower_dlion import kernels as real
+
+    torch.set_num_threads(max(2, torch.get_num_threads()))
+    monkeypatch.setattr(codec, "_TEAM_CALLS", {})
+    # Execute: the first _TEAM_AFTER calls of a kernel, a call too small for two threads, then one more
+    first = [codec._team(real, "pack", 1 << 20) for _ in range(codec._TEAM_AFTER)]
+    small, later = codec._team(real, "pack", codec._TEAM_GRAIN), codec._team(real, "pack", 1 << 20)
+    # Assert: threads of their own (None) until then, and for one thread's work; then the team (with OpenMP)
+    assert first == [None] * codec._TEAM_AFTER and small is None
+    if "parallel backend: OpenMP" in torch.__config__.parallel_info():
+        assert later is not None and later[1] == 2
+    monkeypatch.setattr(codec, "_TEAM", [None])  # torch without OpenMP: the codec's own threads
+    assert codec._team(real, "pack", 1 << 20) is None
+
+
 def test_fused_step_hand_computed(monkeypatch: pytest.MonkeyPatch) -> None:
     # Prepare: β₁ = 0.5, β₂ = 0.75: mix = (m + g)/2, m ← (3m + g)/4, all exact in float32
     monkeypatch.setenv(codec.KERNELS_ENV, "on" if HAVE_NUMBA else "off")
@@ -498,10 +608,11 @@ def test_fused_step_runs_only_where_it_rounds_like_torch(monkeypatch: pytest.Mon
     # Execute
     got = codec.pack_local_step_(m, g, 0.9, 0.99)
     # Assert: the probe catches the other rounding and the composition runs instead; the real kernel passes it
-    assert codec._FUSED_EXACT == {(0.9, 0.99): False}
+    assert codec._FUSED_EXACT == {("cpu", 0.9, 0.99): False}
     assert torch.equal(got, expected) and _same_floats(m, m_ref)
     codec._FUSED_EXACT.clear()
-    assert codec._fused_step_matches_torch(real, 0.9, 0.99)
+    fused = functools.partial(codec._lion_pack_cpu, real, codec._lion_coefs(0.9, 0.99))
+    assert codec._fused_step_matches_torch(fused, 0.9, 0.99, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -539,8 +650,9 @@ def test_apply_levels_runs_the_kernel_on_two_threads(
 ) -> None:
     from flower_dlion import kernels as real
 
-    # Prepare: 2·10⁶ + 5 values on two threads; count the kernel's calls
+    # Prepare: 2·10⁶ + 5 values on two of the codec's own threads (torch's team has its own test); count the calls
     torch.set_num_threads(max(2, torch.get_num_threads()))
+    monkeypatch.setattr(codec, "_TEAM_AFTER", 1 << 30)
     calls = []
     fused = real.apply_levels
     monkeypatch.setattr(real, "apply_levels", lambda *args: calls.append(1) or fused(*args))
@@ -630,6 +742,146 @@ def test_triton_vote_count_kernel_matches_the_numpy_path(d: int, n: int, seed: i
     assert torch.equal(got_planes.cpu(), planes)
 
 
+def _dyadic(d: int, gen: torch.Generator) -> torch.Tensor:
+    """Small multiples of powers of two (k·2ᵉ, |k| ≤ 64, −6 ≤ e ≤ 6): every mix and momentum below is exact."""
+    k = torch.randint(-64, 65, (d,), generator=gen).float()
+    return k * torch.randint(-6, 7, (d,), generator=gen).float().exp2()
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="Triton not installed")
+@settings(max_examples=40, deadline=None)
+@given(
+    d=st.integers(0, 20_000),
+    specials=st.integers(0, 6),
+    seed=st.integers(0, 2**31 - 1),
+    betas=st.sampled_from([(0.5, 0.75), (0.75, 0.5), (0.0, 0.875), (0.5, 0.0)]),
+)
+def test_triton_fused_step_matches_the_composition(
+    d: int, specials: int, seed: int, betas: tuple[float, float]
+) -> None:
+    # Prepare: dyadic m and g with dyadic β (no rounding anywhere, so FMA or not does not matter: Triton's
+    # interpreter rounds its FMA twice), many zero directions (g = −m), ±0, NaN and ±inf at random places;
+    # on the GPU if there is one, else interpreted. The reference is lion.local_step_ on the CPU.
+    gen = torch.Generator().manual_seed(seed)
+    m, g = _dyadic(d, gen), _dyadic(d, gen)
+    if d:
+        flip = torch.rand(d, generator=gen) < 0.1
+        g[flip] = -m[flip]
+        idx = torch.randint(0, d, (specials,), generator=gen)
+        m[idx] = torch.tensor([0.0, -0.0, float("nan"), float("inf"), 1.0, -0.0])[:specials]
+        g[idx] = torch.tensor([-0.0, 0.0, 1.0, -float("inf"), float("nan"), -0.0])[:specials]
+    m_ref = m.clone()
+    delta = lion.local_step_(m_ref, g, *betas)
+    from flower_dlion import gpu_kernels
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    m_dev = m.to(device)
+    coefs = tuple(float(c) for c in codec._lion_coefs(*betas))
+    # Execute
+    packed, zeros, flag = gpu_kernels.lion_pack(m_dev, g.to(device), coefs)
+    # Assert: bits of δ > 0 and of δ = 0 (MSB first), the flag, and the momentum bit for bit (NaNs alike)
+    assert np.array_equal(packed.cpu().numpy(), np.packbits((delta > 0).numpy(), bitorder="big"))
+    assert np.array_equal(zeros.cpu().numpy(), np.packbits((delta == 0).numpy(), bitorder="big"))
+    assert int(flag) == int(bool((delta == 0).any()))
+    assert _same_floats(m_dev.cpu(), m_ref)
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="Triton not installed")
+@settings(max_examples=40, deadline=None)
+@given(
+    d=st.integers(0, 20_000),
+    num_levels=st.integers(2, 300),
+    lr=st.floats(1e-6, 1.0),
+    weight_decay=st.floats(0.0, 1.0),
+    seed=st.integers(0, 2**31 - 1),
+    narrow=st.booleans(),
+)
+def test_triton_apply_matches_apply_update_of_the_values(
+    d: int, num_levels: int, lr: float, weight_decay: float, seed: int, narrow: bool
+) -> None:
+    # Prepare: x over many magnitudes with ±0, ±inf and NaN; levels as uint8 (L ≤ 256) or int32;
+    # the reference is lion.apply_update_ of levels_to_values on the CPU
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(d, generator=gen) * torch.rand(d, generator=gen).mul(60).sub(30).exp2()
+    x[: min(d, 5)] = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan")])[: min(d, 5)]
+    levels = torch.randint(0, num_levels, (d,), generator=gen, dtype=torch.int32)
+    if narrow and num_levels <= 256:
+        levels = levels.to(torch.uint8)
+    expected = lion.apply_update_(x.clone(), codec.levels_to_values(levels, num_levels), lr, weight_decay)
+    from flower_dlion import gpu_kernels
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x_dev = x.to(device)
+    steps = codec.levels_to_values(torch.arange(num_levels, device=device), num_levels) * lr
+    # Execute
+    bad = gpu_kernels.apply_levels(x_dev, levels.to(device), steps, float(np.float32(1.0 - lr * weight_decay)))
+    # Assert: the same floats bit for bit; no level flagged
+    assert int(bad) == 0
+    assert _same_floats(x_dev.cpu(), expected)
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="Triton not installed")
+@pytest.mark.parametrize("bad", [3, -1, 255])
+def test_triton_apply_flags_a_level_out_of_range(bad: int) -> None:
+    from flower_dlion import gpu_kernels
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    levels = torch.tensor([0, 2, 1, bad, 0], dtype=torch.uint8 if bad == 255 else torch.int32, device=device)
+    steps = torch.tensor([-0.5, 0.0, 0.5], device=device)
+    with pytest.raises(ValueError, match=r"levels must be contiguous uint8 or int32 of shape \(4,\)"):
+        gpu_kernels.apply_levels(torch.ones(4, device=device), levels, steps, 1.0)
+    x = torch.ones(5, device=device)
+    # Execute
+    flag = gpu_kernels.apply_levels(x, levels, steps, 1.0)
+    # Assert: flagged; the good values are applied
+    assert int(flag) == 1
+    assert x.cpu()[:3].tolist() == [1.5, 0.5, 1.0]
+
+
+def _check_triton_vote(d: int, n: int, seed: int, majority: float) -> None:
+    """The Triton kernels' vote masks and count planes of n random payloads against the numpy path's."""
+    rng = np.random.default_rng(seed)
+    payloads = [torch.from_numpy(np.packbits(rng.random(8 * codec.packed_size(d)) < majority)) for _ in range(n)]
+    with kernels("off"):
+        (gt, tie), planes = codec.vote_masks(payloads, d), codec.count_planes(payloads, d)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    from flower_dlion import gpu_kernels
+
+    on_device = [p.to(device) for p in payloads]
+    (got_gt, got_tie), got_planes = gpu_kernels.vote_masks(on_device, d), gpu_kernels.count_planes(on_device, d)
+    assert torch.equal(got_gt.cpu(), gt) and torch.equal(got_tie.cpu(), tie)
+    assert torch.equal(got_planes.cpu(), planes)
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="Triton not installed")
+@settings(max_examples=10, deadline=None)
+@given(
+    d=st.integers(1, 3_000),
+    n=st.sampled_from([31, 32, 63, 127, 255, 256, 257]),
+    seed=st.integers(0, 2**31 - 1),
+    majority=st.floats(0.0, 1.0),
+)
+def test_triton_vote_kernels_for_many_payloads(d: int, n: int, seed: int, majority: float) -> None:
+    # Prepare: n payloads whose bits are 1 with probability `majority` (counts near n/2, ties included, or
+    # near 0 or n), counted in 5 … 9 bit-sliced planes; Execute and Assert: the numpy path's masks and planes
+    _check_triton_vote(d, n, seed, majority)
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="Triton not installed")
+@pytest.mark.parametrize(
+    ("n", "majority"),
+    [
+        (1023, 0.5),
+        pytest.param(4095, 0.5, marks=CUDA),  # 35 s each in the interpreter
+        pytest.param(4095, 0.9, marks=CUDA),
+        (4096, 0.5),
+    ],
+)
+def test_triton_vote_kernels_at_the_most_planes(n: int, majority: float) -> None:
+    # 10 and 12 bit-sliced planes (the most), then 4,096 payloads: 13 planes, per-value counters instead
+    _check_triton_vote(100, n, n, majority)
+
+
 @pytest.mark.skipif(not HAVE_TRITON, reason="Triton not installed")
 def test_triton_vote_count_kernel_rejects_a_wrong_size() -> None:
     from flower_dlion import gpu_kernels
@@ -644,6 +896,13 @@ def test_triton_pack_kernel_rejects_what_it_cannot_read() -> None:
 
     with pytest.raises(ValueError, match=r"needs a contiguous 1-D float32 tensor, got torch.float64 \(4,\)"):
         gpu_kernels.pack_positive(torch.ones(4, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"contiguous 1-D float32 tensors, got g: torch.float64 \(4,\)"):
+        gpu_kernels.lion_pack(torch.ones(4), torch.ones(4, dtype=torch.float64), (0.5, 0.5, 0.5, 0.5))
+    with pytest.raises(ValueError, match=r"m \(4 on cpu\) and g \(3 on cpu\) differ"):
+        gpu_kernels.lion_pack(torch.ones(4), torch.ones(3), (0.5, 0.5, 0.5, 0.5))
+    with pytest.raises(ValueError, match=r"contiguous 1-D float32 x, got torch.float64 \(4,\)"):
+        gpu_kernels.apply_levels(torch.ones(4, dtype=torch.float64), torch.zeros(4, dtype=torch.uint8),
+                                 torch.ones(2), 1.0)  # fmt: skip
 
 
 def test_codec_lion_and_quantizers_import_no_flwr() -> None:
@@ -676,6 +935,52 @@ def test_cuda_pack_kernel_and_tensor_path_agree(d: int, zeros: int) -> None:
     assert out["on"].is_cuda and torch.equal(out["on"], out["off"])
     if not bool((v == 0).any()):
         assert torch.equal(out["on"].cpu(), codec.pack_signs(v))
+
+
+@CUDA
+@pytest.mark.parametrize("d", [1, 7, 8193, 1_000_003])
+@pytest.mark.parametrize("zeros", [0, 5])
+def test_cuda_fused_step_equals_the_composition_and_the_cpu(d: int, zeros: int) -> None:
+    # Prepare: on the GPU, with and without zero directions (coin flips from the same CUDA generator)
+    m, g = _step_inputs(d, zeros, d)
+    out, momenta = {}, {}
+    codec._FUSED_EXACT.pop(("cuda", 0.9, 0.99), None)
+    for mode in ("on", "off"):  # the Triton step, then lion.local_step_ + pack_signs
+        m_dev = m.cuda()
+        # Execute
+        with kernels(mode):
+            out[mode] = codec.pack_local_step_(
+                m_dev, g.cuda(), 0.9, 0.99, torch.Generator(device="cuda").manual_seed(3)
+            )
+        momenta[mode] = m_dev.cpu()
+    # Assert: the probe let the kernel run; the same bytes and momenta on both paths, and the CPU's without zeros
+    assert codec._FUSED_EXACT[("cuda", 0.9, 0.99)]
+    assert out["on"].is_cuda and torch.equal(out["on"], out["off"]) and _same_floats(momenta["on"], momenta["off"])
+    m_cpu = m.clone()
+    on_cpu = codec.pack_local_step_(m_cpu, g, 0.9, 0.99)
+    assert _same_floats(momenta["on"], m_cpu)
+    if not zeros:
+        assert torch.equal(out["on"].cpu(), on_cpu)
+
+
+@CUDA
+@pytest.mark.parametrize("num_levels", [2, 3, 8, 13, 65, 257])
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int32])
+def test_cuda_apply_levels_matches_the_cpu(num_levels: int, dtype: torch.dtype) -> None:
+    # Prepare: d = 10⁶ + 3 values; L − 1 = 7 and 12 are where a reciprocal multiplication would be 1 ulp off
+    if dtype == torch.uint8 and num_levels > 256:
+        pytest.skip("uint8 holds at most 256 levels")
+    gen = torch.Generator().manual_seed(num_levels)
+    x = torch.randn(1_000_003, generator=gen)
+    levels = torch.randint(0, num_levels, (x.numel(),), generator=gen).to(dtype)
+    expected = codec.apply_levels_(x.clone(), levels, num_levels, 0.01, 0.1)
+    for mode in ("on", "off"):  # the Triton apply, then lion.apply_update_ of levels_to_values
+        x_dev = x.cuda()
+        # Execute
+        with kernels(mode):
+            codec.apply_levels_(x_dev, levels.cuda(), num_levels, 0.01, 0.1)
+        # Assert: the CPU's x bit for bit (replicas on any device stay identical)
+        assert torch.equal(x_dev.cpu().view(torch.int32), expected.view(torch.int32)), mode
 
 
 @CUDA
