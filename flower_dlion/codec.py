@@ -279,7 +279,7 @@ def apply_levels_(
     from .lion import apply_update_  # the reference: lion.py imports torch only
 
     d, top = x.numel(), num_levels - 1
-    if x.device.type == "cuda" and (gpu := _gpu_kernels()) is not None and _apply_on_gpu(gpu, x, levels, top):
+    if x.device.type == "cuda" and _apply_on_gpu(x, levels, top) and (gpu := _gpu_kernels()) is not None:
         steps = levels_to_values(torch.arange(num_levels, device=x.device), num_levels) * lr  # torch's own lr·Δ
         bad = gpu.apply_levels(x.view(-1), levels.view(-1), steps, float(np.float32(1.0 - lr * weight_decay)))
         if int(bad):
@@ -307,7 +307,7 @@ def apply_levels_(
     return x
 
 
-def _apply_on_gpu(gpu: ModuleType, x: torch.Tensor, levels: torch.Tensor, top: int) -> bool:
+def _apply_on_gpu(x: torch.Tensor, levels: torch.Tensor, top: int) -> bool:
     """Whether the Triton apply takes ``x`` and ``levels`` as they are (else the composition runs)."""
     return (
         top >= 1

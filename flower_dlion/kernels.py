@@ -76,11 +76,13 @@ _jit = numba.njit(nogil=True, cache=True, boundscheck=False)
 # ------------------------------------------------------------------------------- pack
 @intrinsic
 def _signs64(typingctx: object, v: types.Array, start: types.Integer) -> tuple:
-    """Bit masks of ``v[start : start+64] > 0`` and ``== 0`` as two uint64 (value i at bit i).
+    """The bit mask of ``v[start : start+64] > 0`` (value i at bit i), and 1 if one of them is ±0 (else 0).
 
-    One 64-lane vector compare each (LLVM: four AVX-512 compares into mask registers, or
-    eight AVX2 compares and ``movmskps``): the signs never pass through bytes. Ordered
-    compares, so NaN gives 0 in both masks, as numpy's ``>`` and ``==`` do. ``v`` must be
+    One 64-lane vector compare (LLVM: four AVX-512 compares into mask registers, or eight
+    AVX2 compares and ``movmskps``): the signs never pass through bytes. Ordered compare, so
+    NaN gives 0, as numpy's ``>`` does. The zero test is an unsigned minimum over the 64
+    values' bits without the sign (0 only for ±0; NaN is not zero) on vector registers,
+    cheaper than a second compare into mask registers (docs/PERFORMANCE.md). ``v`` must be
     C-contiguous float32 with 64 values from ``start`` on.
     """
     if not (isinstance(v, types.Array) and v.dtype == types.float32 and v.layout == "C"):
@@ -89,12 +91,17 @@ def _signs64(typingctx: object, v: types.Array, start: types.Integer) -> tuple:
 
     def codegen(context: object, builder: object, signature: object, args: tuple) -> object:
         data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        lanes = ir.VectorType(ir.FloatType(), 64)
+        lanes, ints = ir.VectorType(ir.FloatType(), 64), ir.VectorType(ir.IntType(32), 64)
         x = builder.load(builder.bitcast(builder.gep(data, [args[1]]), lanes.as_pointer()), align=4)
         zero, word = ir.Constant(lanes, None), ir.IntType(64)
         gt = builder.bitcast(builder.fcmp_ordered(">", x, zero), word)
-        eq = builder.bitcast(builder.fcmp_ordered("==", x, zero), word)
-        return context.make_tuple(builder, signature.return_type, [gt, eq])
+        magnitude = builder.and_(builder.bitcast(x, ints), ir.Constant(ints, [0x7FFFFFFF] * 64))  # |x|'s bits
+        umin = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.IntType(32), [ints]), "llvm.vector.reduce.umin.v64i32"
+        )
+        smallest = builder.call(umin, [magnitude])
+        has_zero = builder.zext(builder.icmp_unsigned("==", smallest, ir.Constant(ir.IntType(32), 0)), word)
+        return context.make_tuple(builder, signature.return_type, [gt, has_zero])
 
     return sig, codegen
 
@@ -120,9 +127,9 @@ def pack_positive(v: np.ndarray, out: np.ndarray, first: int, last: int) -> bool
     words = out[: 8 * whole].view(np.uint64)  # group k is word k: 8 bytes, little-endian
     zero = np.uint64(0)
     for k in range(first, min(last, whole)):
-        gt, eq = _signs64(v, BLOCK * k)
+        gt, has_zero = _signs64(v, BLOCK * k)
         words[k] = _msb_first(gt)  # bitcast order (value i at bit i) → packbits order (MSB first)
-        zero |= eq  # exact zeros get a coin flip later
+        zero |= has_zero  # exact zeros get a coin flip later
     if last > whole:  # the partial last group
         out[8 * whole :] = 0
         for i in range(BLOCK * whole, d):
