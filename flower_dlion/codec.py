@@ -384,7 +384,7 @@ def _team(kernels: ModuleType, name: str, values: int, grain: int | None = None)
         openmp = "parallel backend: OpenMP" in torch.__config__.parallel_info()
         try:
             _TEAM.append(importlib.import_module(f"{__package__}.kernels").Team() if openmp else None)
-        except AttributeError:  # no GOMP_parallel among the loaded libraries
+        except (AttributeError, OSError, TypeError):  # no GOMP_parallel loaded (or no dlopen(NULL): Windows)
             _TEAM.append(None)
     return None if _TEAM[0] is None else (_TEAM[0], threads)
 

@@ -571,6 +571,13 @@ def test_kernels_move_onto_the_team_only_after_some_calls(monkeypatch: pytest.Mo
     monkeypatch.setattr(codec, "_TEAM", [None])  # torch without OpenMP: the codec's own threads
     assert codec._team(real, "pack", 1 << 20) is None
 
+    def no_dlopen(name: object) -> None:
+        raise OSError("no dlopen(NULL) here")  # as on Windows
+
+    monkeypatch.setattr(codec, "_TEAM", [])
+    monkeypatch.setattr(real.ctypes, "CDLL", no_dlopen)
+    assert codec._team(real, "pack", 1 << 20) is None and codec._TEAM == [None]
+
 
 def test_fused_step_hand_computed(monkeypatch: pytest.MonkeyPatch) -> None:
     # Prepare: β₁ = 0.5, β₂ = 0.75: mix = (m + g)/2, m ← (3m + g)/4, all exact in float32

@@ -117,6 +117,37 @@ def test_fused_client_step_gives_the_same_federation_bit_for_bit(monkeypatch: py
     assert results["off"][2] == 0 and results["on"][2] == 10
 
 
+@pytest.mark.skipif(importlib.util.find_spec("numba") is None, reason="numba not installed")
+@pytest.mark.parametrize("how", ["vote", "mean"])
+def test_a_federation_on_torchs_openmp_team_equals_the_composition(how: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from flower_dlion import kernels
+
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        pytest.skip("torch does not run on OpenMP here")
+    torch.set_num_threads(max(2, torch.get_num_threads()))
+    runs = []
+    run = kernels.Team.run
+    monkeypatch.setattr(kernels.Team, "run", lambda self, *args: runs.append(1) or run(self, *args))
+    d = sum(p.numel() for p in Net().parameters())
+    results = {}
+    for mode in ("off", "team"):  # torch operations and numpy, then every kernel on torch's team at every size
+        # Prepare
+        monkeypatch.setenv("FLOWER_DLION_KERNELS", "off" if mode == "off" else "on")
+        monkeypatch.setattr(codec, "_TEAM_AFTER", 0)
+        monkeypatch.setattr(codec, "_TEAM_GRAIN", 1 << 10)
+        monkeypatch.setattr(codec, "_TEAM_COUNT_GRAIN", 1 << 10)
+        grid = LocalGrid(client_app, 3, run_config=CPU_CONFIG)
+        strategy = DistributedLion(aggregation=how, lr=LR, weight_decay=WD)
+        # Execute
+        run_rounds(strategy, grid, 3)
+        momenta = [load_state(grid.context(n), d, torch.device("cpu")).m for n in grid.node_ids]
+        results[mode] = (strategy.x.clone(), momenta, len(runs))
+    # Assert: the same model and momenta bit for bit; under "team" the kernels ran there (steps, counts, applies)
+    assert torch.equal(results["off"][0], results["team"][0])
+    assert all(torch.equal(a, b) for a, b in zip(results["off"][1], results["team"][1], strict=True))
+    assert results["off"][2] == 0 and results["team"][2] >= 3 * 3 + 3
+
+
 def sync_replicas(strategy: DistributedLion, grid: LocalGrid, rnd: int) -> dict[int, torch.Tensor]:
     """Bring each client's replica to the server's version with what the server would send next."""
     model = Net()
