@@ -194,13 +194,13 @@ def pack_local_step_(
                 packed |= zeros & pack_bits(coin.bool())
             return packed
     kernels = _kernels(d) if fusable and device == "cpu" else None
+    coefs = _lion_coefs(beta1, beta2)
     if kernels is None or not _fused_step_matches_torch(
-        functools.partial(_lion_pack_cpu, kernels, _lion_coefs(beta1, beta2)), beta1, beta2, m.device
+        functools.partial(_lion_pack_cpu, kernels, coefs), beta1, beta2, m.device
     ):
         return pack_signs(local_step_(m, g, beta1, beta2), generator)
     mh, gh = m.reshape(-1).numpy(), g.reshape(-1).contiguous().numpy()
     packed, zeros = np.empty(packed_size(d), dtype=np.uint8), np.zeros(-(-d // 64), dtype=np.uint64)
-    coefs = _lion_coefs(beta1, beta2)
     if (team := _team(kernels, "lion_pack", d)) is not None:
         found = [team[0].lion_pack(mh, gh, coefs, packed, zeros, team[1])]
     else:

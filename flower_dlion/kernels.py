@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 
 import numba
 import numpy as np
@@ -311,21 +312,30 @@ def levels_to_trits(levels: np.ndarray, out: np.ndarray, first: int, last: int) 
 
 
 # ------------------------------------------------------------------------------ count
-@intrinsic
-def _words_at(typingctx: object, address: types.Type) -> tuple:
-    """An address (int64) as a pointer to uint64 words, for :func:`numba.carray`."""
-    sig = types.CPointer(types.uint64)(types.int64)
+def _pointer_to(dtype: types.Type) -> object:
+    """An intrinsic: an address (int64) as a pointer to ``dtype``, for :func:`numba.carray`."""
 
-    def codegen(context: object, builder: object, signature: object, args: tuple) -> object:
-        return builder.inttoptr(args[0], context.get_value_type(types.CPointer(types.uint64)))
+    @intrinsic
+    def at(typingctx: object, address: types.Type) -> tuple:
+        sig = types.CPointer(dtype)(types.int64)
 
-    return sig, codegen
+        def codegen(context: object, builder: ir.IRBuilder, signature: object, a: tuple) -> object:
+            return builder.inttoptr(a[0], context.get_value_type(types.CPointer(dtype)))
+
+        return sig, codegen
+
+    return at
+
+
+_f32_at, _u8_at, _i32_at, _i64_at, _u64_at = (
+    _pointer_to(t) for t in (types.float32, types.uint8, types.int32, types.int64, types.uint64)
+)
 
 
 @_jit
 def _payload(addresses: np.ndarray, p: int, start: int, m: int) -> np.ndarray:
     """Words ``start … start+m−1`` of payload ``p`` (no copy)."""
-    return numba.carray(_words_at(addresses[p] + 8 * start), m)
+    return numba.carray(_u64_at(addresses[p] + 8 * start), m)
 
 
 @_jit
@@ -720,35 +730,15 @@ _TASK = types.void(types.voidptr)
 
 
 @intrinsic
-def _next_part(typingctx: object, args: types.Type) -> tuple:
-    """Atomically add 1 to the int64 at ``args`` (a task's part counter); returns the old value."""
-    sig = types.int64(types.voidptr)
+def _take(typingctx: object, args: types.Type, index: types.Integer) -> tuple:
+    """Atomically add 1 to the int64 ``args[index]`` (a task's counter); returns the old value."""
+    sig = types.int64(types.voidptr, types.int64)
 
     def codegen(context: object, builder: ir.IRBuilder, signature: object, a: tuple) -> object:
-        counter = builder.bitcast(a[0], ir.IntType(64).as_pointer())
+        counter = builder.gep(builder.bitcast(a[0], ir.IntType(64).as_pointer()), [a[1]])
         return builder.atomic_rmw("add", counter, ir.Constant(ir.IntType(64), 1), "monotonic")
 
     return sig, codegen
-
-
-def _pointer_to(dtype: types.Type) -> object:
-    """An intrinsic: an address (int64) as a pointer to ``dtype``, for :func:`numba.carray`."""
-
-    @intrinsic
-    def at(typingctx: object, address: types.Type) -> tuple:
-        sig = types.CPointer(dtype)(types.int64)
-
-        def codegen(context: object, builder: ir.IRBuilder, signature: object, a: tuple) -> object:
-            return builder.inttoptr(a[0], context.get_value_type(types.CPointer(dtype)))
-
-        return sig, codegen
-
-    return at
-
-
-_f32_at, _u8_at, _i32_at, _i64_at, _u64_at = (
-    _pointer_to(t) for t in (types.float32, types.uint8, types.int32, types.int64, types.uint64)
-)
 
 
 @functools.cache
@@ -764,10 +754,10 @@ def _pack_task() -> object:
             numba.carray(_u8_at(a[5]), (d + 7) // 8),
             numba.carray(_u8_at(a[6]), parts),
         )
-        p = _next_part(args)
+        p = _take(args, 0)
         while p < parts:
             found[p] = pack_positive(v, out, groups * p // parts, groups * (p + 1) // parts)
-            p = _next_part(args)
+            p = _take(args, 0)
 
     return task
 
@@ -785,10 +775,10 @@ def _lion_pack_task() -> object:
         coefs = (c[0], c[1], c[2], c[3])
         out, zeros = numba.carray(_u8_at(a[7]), (d + 7) // 8), numba.carray(_u64_at(a[8]), groups)
         found = numba.carray(_u8_at(a[9]), parts)
-        p = _next_part(args)
+        p = _take(args, 0)
         while p < parts:
             found[p] = lion_pack(m, g, coefs, out, zeros, groups * p // parts, groups * (p + 1) // parts)
-            p = _next_part(args)
+            p = _take(args, 0)
 
     return task
 
@@ -803,14 +793,14 @@ def _apply_task() -> object:
         parts, d, top = a[1], a[2], a[6]
         x, s = numba.carray(_f32_at(a[3]), d), numba.carray(_f32_at(a[7]), 2)  # s: lr, decay
         worst = numba.carray(_u64_at(a[8]), parts)
-        p = _next_part(args)
+        p = _take(args, 0)
         while p < parts:
             first, last = d * p // parts, d * (p + 1) // parts
             if a[5]:  # int32 levels
                 worst[p] = apply_levels(x, numba.carray(_i32_at(a[4]), d), top, s[0], s[1], first, last)
             else:  # uint8 levels
                 worst[p] = apply_levels(x, numba.carray(_u8_at(a[4]), d), top, s[0], s[1], first, last)
-            p = _next_part(args)
+            p = _take(args, 0)
 
     return task
 
@@ -820,23 +810,21 @@ def _count_task() -> object:
     """The task, compiled on first use (loaded from numba's cache: 0.2 s for a process's first task)."""
 
     @numba.cfunc(_TASK, cache=True)
-    def task(args: object) -> None:  # int64 [next, parts, whole, addresses, n, vote, out, tie, rows, cols]
-        a = numba.carray(args, 10, np.int64)
+    def task(args: object) -> None:  # int64 [next, parts, whole, addresses, n, vote, out, tie, rows, cols,
+        a = numba.carray(args, 13, np.int64)  # scratch, scratch rows, next scratch slot]
         parts, whole, n, vote = a[1], a[2], a[4], a[5]
         addresses = numba.carray(_i64_at(a[3]), n)
         out, tie = numba.carray(_u64_at(a[6]), (a[8], a[9])), numba.carray(_u64_at(a[7]), a[9])
-        b, t = 0, n
-        while t:  # B = ⌊log₂ n⌋ + 1 planes
-            b, t = b + 1, t >> 1
-        work = np.empty((2 * max(b, 3) + 2, CHUNK_WORDS), np.uint64)  # this thread's counters (see scratch)
-        p = _next_part(args)
+        slot = _take(args, 12)  # this thread's counters: one of the caller's scratch arrays (see scratch)
+        work = numba.carray(_u64_at(a[10] + slot * a[11] * CHUNK_WORDS * 8), (a[11], CHUNK_WORDS))
+        p = _take(args, 0)
         while p < parts:
             first, last = whole * p // parts, whole * (p + 1) // parts
             if vote:
                 vote_masks(addresses, first, last, out[0], tie, work)
             else:
                 count_planes(addresses, first, last, out, work)
-            p = _next_part(args)
+            p = _take(args, 0)
 
     return task
 
@@ -857,6 +845,7 @@ class Team:
         self._parallel = ctypes.CDLL(None).GOMP_parallel  # AttributeError where no OpenMP is loaded
         self._parallel.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
         self._parallel.restype = None
+        self._local = threading.local()  # per calling thread: the count's scratch arrays
 
     def run(self, task: object, args: np.ndarray, threads: int) -> None:
         """``task(args)`` on ``threads`` threads; ``args[0]`` (the part counter) must be 0."""
@@ -908,8 +897,18 @@ class Team:
         """
         parts = threads * self.PARTS_PER_THREAD
         rows = out.shape[0] if tie is None else 1
+        work = self._scratch(threads, addresses.size.bit_length())
         args = np.array(
             [0, parts, whole, addresses.ctypes.data, addresses.size, int(tie is not None), out.ctypes.data,
-             (out if tie is None else tie).ctypes.data, rows, out.shape[-1]], dtype=np.int64,
+             (out if tie is None else tie).ctypes.data, rows, out.shape[-1], work.ctypes.data, work.shape[1], 0],
+            dtype=np.int64,
         )  # fmt: skip
         self.run(_count_task(), args, threads)
+
+    def _scratch(self, threads: int, num_planes: int) -> np.ndarray:
+        """``threads`` stacked :func:`scratch` arrays, allocated once per calling thread and reused."""
+        cache = self._local.__dict__.setdefault("scratch", {})
+        key = (threads, max(num_planes, 3))
+        if key not in cache:
+            cache[key] = np.stack([scratch(num_planes) for _ in range(threads)])
+        return cache[key]
