@@ -41,6 +41,7 @@ import importlib
 import itertools
 import math
 import os
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -137,10 +138,10 @@ def pack_signs(v: torch.Tensor, generator: torch.Generator | None = None) -> tor
     kernel (one read of ``v``; reading its zero flag waits for it, as reading the bytes
     would); elsewhere, or with exact zeros, with tensor operations on ``v``'s device.
     """
-    v = v.reshape(-1)
-    if v.device.type == "cuda" and v.dtype == torch.float32 and (gpu := _gpu_kernels()) is not None:
+    v = v if v.dim() == 1 else v.reshape(-1)
+    if v.is_cuda and v.dtype == torch.float32 and (gpu := _gpu_kernels()) is not None:
         packed, has_zeros = gpu.pack_positive(v.contiguous())
-        if not int(has_zeros):  # with zeros, the tensor-operation path below draws the coins
+        if not has_zeros.read():  # with zeros, the tensor-operation path below draws the coins
             return packed
     if v.device.type == "cpu" and v.dtype == torch.float32:
         host = v.contiguous().numpy()
@@ -184,17 +185,19 @@ def pack_local_step_(
     d = m.numel()
     fusable = m.device == g.device and m.dtype == g.dtype == torch.float32 and m.is_contiguous() and g.numel() == d
     device = m.device.type
+    coefs = _lion_coefs(beta1, beta2)
     if fusable and device == "cuda" and (gpu := _gpu_kernels()) is not None:
-        coefs = tuple(float(c) for c in _lion_coefs(beta1, beta2))
-        fused = functools.partial(_lion_pack_cuda, gpu, coefs)
-        if _fused_step_matches_torch(fused, beta1, beta2, m.device):
-            packed, zeros, flag = gpu.lion_pack(m.view(-1), g.reshape(-1).contiguous(), coefs)
-            if int(flag):  # zero directions: the coins pack_signs draws on this device, at those bits
+        cuda_coefs = tuple(map(float, coefs))
+        exact = _FUSED_EXACT.get((device, float(beta1), float(beta2)))  # probed before: no probe to build
+        if exact or _fused_step_matches_torch(
+            functools.partial(_lion_pack_cuda, gpu, cuda_coefs), beta1, beta2, m.device
+        ):
+            packed, zeros, flag = gpu.lion_pack(m.view(-1), g.reshape(-1).contiguous(), cuda_coefs)
+            if flag.read() and bool(zeros.any()):  # zero directions: pack_signs's coins on this device, at those bits
                 coin = torch.randint(0, 2, (d,), generator=generator, device=m.device, dtype=torch.uint8)
                 packed |= zeros & pack_bits(coin.bool())
             return packed
     kernels = _kernels(d) if fusable and device == "cpu" else None
-    coefs = _lion_coefs(beta1, beta2)
     if kernels is None or not _fused_step_matches_torch(
         functools.partial(_lion_pack_cpu, kernels, coefs), beta1, beta2, m.device
     ):
@@ -212,6 +215,7 @@ def pack_local_step_(
     return torch.from_numpy(packed)
 
 
+@functools.lru_cache(maxsize=64)
 def _lion_coefs(beta1: float, beta2: float) -> tuple[np.float32, ...]:
     """``(β₁, 1−β₁, β₂, 1−β₂)`` as float32, as torch rounds a Python scalar for a float32 tensor."""
     return tuple(np.float32(c) for c in (beta1, 1.0 - beta1, beta2, 1.0 - beta2))
@@ -280,9 +284,9 @@ def apply_levels_(
 
     d, top = x.numel(), num_levels - 1
     if x.device.type == "cuda" and _apply_on_gpu(x, levels, top) and (gpu := _gpu_kernels()) is not None:
-        steps = levels_to_values(torch.arange(num_levels, device=x.device), num_levels) * lr  # torch's own lr·Δ
+        steps = _steps_on(x.device, num_levels, float(lr))  # torch's own lr·Δ of every level
         bad = gpu.apply_levels(x.view(-1), levels.view(-1), steps, float(np.float32(1.0 - lr * weight_decay)))
-        if int(bad):
+        if bad.read() and not 0 <= int((bounds := torch.aminmax(levels)).min) <= int(bounds.max) <= top:
             raise ValueError(f"level outside 0…{top}: corrupted update")
         return x
     on_cpu = x.device.type == levels.device.type == "cpu" and x.dtype == torch.float32
@@ -305,6 +309,20 @@ def apply_levels_(
     if max(worst, default=0) > top:
         raise ValueError(f"level outside 0…{top}: corrupted update")
     return x
+
+
+_STEPS: dict[tuple[torch.device, int, float], torch.Tensor] = {}  # (device, L, lr) → lr·Δ of the L levels
+
+
+def _steps_on(device: torch.device, num_levels: int, lr: float) -> torch.Tensor:
+    """``levels_to_values(arange(L), L) * lr`` on ``device``, as torch computes it there (kept: a round reuses it)."""
+    key = (device, num_levels, lr)
+    steps = _STEPS.get(key)
+    if steps is None:
+        if len(_STEPS) >= 64:  # a learning-rate schedule: keep only the latest
+            _STEPS.clear()
+        steps = _STEPS[key] = levels_to_values(torch.arange(num_levels, device=device), num_levels) * lr
+    return steps
 
 
 def _apply_on_gpu(x: torch.Tensor, levels: torch.Tensor, top: int) -> bool:
@@ -337,8 +355,9 @@ def _kernel_mode() -> str:
 
 def _optional_kernels(module: str, needs: str) -> ModuleType | None:
     """``flower_dlion.<module>``, or None where it cannot be imported (an error under ``on``)."""
+    name = f"{__package__}.{module}"
     try:
-        return importlib.import_module(f"{__package__}.{module}")
+        return sys.modules.get(name) or importlib.import_module(name)  # imported once: a lookup (per GPU call)
     except ImportError as err:
         if _kernel_mode() == "on":
             raise ImportError(f"{KERNELS_ENV}=on needs {needs}") from err

@@ -4,8 +4,9 @@ The pack reads the Lion direction once and writes its packed signs: each program
 loads ``8·BYTES`` consecutive float32 values as a ``(BYTES, 8)`` tile, compares them with
 zero and folds each row of 8 bits into one byte (MSB first, the layout of
 :func:`numpy.packbits`), so the ``⌈d/8⌉`` bytes leave in one pass instead of the dozen
-passes and launches of the tensor-operation path. A one-element flag records whether
-any exact zero was seen (the codec then sends coin flips for those). The client's whole
+passes and launches of the tensor-operation path. A flag records whether any exact
+zero was seen (the codec then sends coin flips for those): one per device, raised to the
+call's own epoch, so no launch zeroes it first (:class:`Flag`). The client's whole
 step (:func:`lion_pack`) does the same from m and g, writing the new momentum as it goes
 and the packed mask of zero directions beside the signs. :func:`apply_levels` applies a
 broadcast Δ from its levels with torch's own L steps ``lr·Δ``, one read of x.
@@ -25,7 +26,9 @@ how the tests check them without a GPU.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import triton
@@ -34,8 +37,37 @@ import triton.language as tl
 BYTES = 1024  # packed bytes per program: 8,192 values, 32 kB read
 
 
-@triton.jit
-def _pack_positive(v_ptr, out_ptr, zero_ptr, d, nbytes, BYTES: tl.constexpr):
+class Flag(NamedTuple):
+    """What one kernel call reports: the call raises ``tensor`` (int64, on the device) to at least ``epoch``.
+
+    The tensor is one per device and never reset, and every call gets a new, larger epoch,
+    so no launch is spent zeroing a flag before each call. Calls on other streams at the
+    same time can only raise it further: :meth:`read` may then say True for a call that
+    found nothing (the caller checks again exactly), never False for one that found something.
+    """
+
+    tensor: torch.Tensor
+    epoch: int
+
+    def read(self) -> bool:
+        """Whether the flag is raised (waits for the call, as reading its output would)."""
+        return int(self.tensor) >= self.epoch
+
+
+_FLAGS: dict[torch.device, torch.Tensor] = {}  # device → its flag, zeroed once
+_EPOCHS = itertools.count(1 << 32)  # past int32: Triton types the argument int64 from the first call
+
+
+def _new_flag(device: torch.device) -> Flag:
+    """The device's flag with a new epoch for one call."""
+    tensor = _FLAGS.get(device)
+    if tensor is None:
+        tensor = _FLAGS.setdefault(device, torch.zeros(1, dtype=torch.int64, device=device))
+    return Flag(tensor, next(_EPOCHS))
+
+
+@triton.jit(do_not_specialize=["epoch"])
+def _pack_positive(v_ptr, out_ptr, zero_ptr, epoch, d, nbytes, BYTES: tl.constexpr):
     byte = tl.program_id(0).to(tl.int64) * BYTES + tl.arange(0, BYTES)  # this program's output bytes
     bit = tl.arange(0, 8)  # bit j of a byte holds value 8·byte + j, MSB first
     idx = byte[:, None] * 8 + bit[None, :]  # (BYTES, 8) value indices
@@ -46,11 +78,11 @@ def _pack_positive(v_ptr, out_ptr, zero_ptr, d, nbytes, BYTES: tl.constexpr):
     tl.store(out_ptr + byte, packed.to(tl.uint8), mask=byte < nbytes)
     zeros = tl.sum(((v == 0) & inside).to(tl.int32))  # exact zeros (+0 and −0) in this tile
     if zeros > 0:
-        tl.atomic_max(zero_ptr, 1)
+        tl.atomic_max(zero_ptr, epoch)
 
 
-def pack_positive(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Bits of ``v > 0`` packed into ⌈d/8⌉ bytes, and a flag tensor (int32, 1 if ``v`` has an exact zero).
+def pack_positive(v: torch.Tensor) -> tuple[torch.Tensor, Flag]:
+    """Bits of ``v > 0`` packed into ⌈d/8⌉ bytes, and a :class:`Flag` raised if ``v`` has an exact zero.
 
     Parameters
     ----------
@@ -59,8 +91,8 @@ def pack_positive(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     Returns
     -------
-    tuple[torch.Tensor, torch.Tensor]
-        The packed uint8 bytes and the zero flag, both on ``v``'s device; nothing is
+    tuple[torch.Tensor, Flag]
+        The packed uint8 bytes on ``v``'s device and the zero flag; nothing is
         synchronized (read the flag when the bytes are needed anyway).
 
     """
@@ -69,14 +101,14 @@ def pack_positive(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     d = v.numel()
     nbytes = (d + 7) // 8
     out = torch.empty(nbytes, dtype=torch.uint8, device=v.device)
-    flag = torch.zeros(1, dtype=torch.int32, device=v.device)
+    flag = _new_flag(v.device)
     if d:
-        _pack_positive[(triton.cdiv(nbytes, BYTES),)](v, out, flag, d, nbytes, BYTES=BYTES)
+        _pack_positive[(-(-nbytes // BYTES),)](v, out, flag.tensor, flag.epoch, d, nbytes, BYTES=BYTES)
     return out, flag
 
 
-@triton.jit
-def _lion_pack(m_ptr, g_ptr, out_ptr, zero_ptr, flag_ptr, d, nbytes, b1, a1, b2, a2, BYTES: tl.constexpr):
+@triton.jit(do_not_specialize=["epoch"])
+def _lion_pack(m_ptr, g_ptr, out_ptr, zero_ptr, flag_ptr, epoch, d, nbytes, b1, a1, b2, a2, BYTES: tl.constexpr):
     byte = tl.program_id(0).to(tl.int64) * BYTES + tl.arange(0, BYTES)  # this program's output bytes
     bit = tl.arange(0, 8)  # bit j of a byte holds value 8·byte + j, MSB first
     idx = byte[:, None] * 8 + bit[None, :]  # (BYTES, 8) value indices
@@ -91,12 +123,12 @@ def _lion_pack(m_ptr, g_ptr, out_ptr, zero_ptr, flag_ptr, d, nbytes, b1, a1, b2,
     tl.store(out_ptr + byte, packed.to(tl.uint8), mask=byte < nbytes)
     tl.store(zero_ptr + byte, tl.sum(zero.to(tl.int32) * weight[None, :], axis=1).to(tl.uint8), mask=byte < nbytes)
     if tl.sum(zero.to(tl.int32)) > 0:
-        tl.atomic_max(flag_ptr, 1)
+        tl.atomic_max(flag_ptr, epoch)
 
 
 def lion_pack(
     m: torch.Tensor, g: torch.Tensor, coefs: tuple[float, float, float, float]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, Flag]:
     """One Lion step fused with the pack: one read of ``m`` and ``g``, ``m`` written in place.
 
     Computes ``c = β₁·m + (1−β₁)·g`` as ``fma(1−β₁, g, fl(β₁·m))`` (how torch's
@@ -114,10 +146,10 @@ def lion_pack(
 
     Returns
     -------
-    tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-        The ⌈d/8⌉ packed bytes of δ > 0, the ⌈d/8⌉ packed bytes of "δ = 0" (c = ±0 or NaN),
-        and a flag (int32, 1 if there is such a zero direction), all on ``m``'s device;
-        nothing is synchronized.
+    tuple[torch.Tensor, torch.Tensor, Flag]
+        The ⌈d/8⌉ packed bytes of δ > 0 and the ⌈d/8⌉ packed bytes of "δ = 0" (c = ±0 or
+        NaN), on ``m``'s device, and a :class:`Flag` raised if there is such a zero
+        direction; nothing is synchronized.
 
     """
     for name, t in (("m", m), ("g", g)):
@@ -129,17 +161,18 @@ def lion_pack(
     nbytes = (d + 7) // 8
     out = torch.empty(nbytes, dtype=torch.uint8, device=m.device)
     zero = torch.empty(nbytes, dtype=torch.uint8, device=m.device)
-    flag = torch.zeros(1, dtype=torch.int32, device=m.device)
+    flag = _new_flag(m.device)
     if d:
-        _lion_pack[(triton.cdiv(nbytes, STEP_BYTES),)](m, g, out, zero, flag, d, nbytes, *coefs, BYTES=STEP_BYTES)
+        grid = (-(-nbytes // STEP_BYTES),)
+        _lion_pack[grid](m, g, out, zero, flag.tensor, flag.epoch, d, nbytes, *coefs, BYTES=STEP_BYTES)
     return out, zero, flag
 
 
 STEP_BYTES = 512  # packed bytes per program of the fused step: 4,096 values, 32 kB read
 
 
-@triton.jit
-def _apply_levels(x_ptr, k_ptr, steps_ptr, bad_ptr, d, top, decay, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["epoch"])
+def _apply_levels(x_ptr, k_ptr, steps_ptr, bad_ptr, epoch, d, top, decay, BLOCK: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = i < d
     k = tl.load(k_ptr + i, mask=inside, other=0).to(tl.int32)  # the level of each value
@@ -148,13 +181,13 @@ def _apply_levels(x_ptr, k_ptr, steps_ptr, bad_ptr, d, top, decay, BLOCK: tl.con
     x = tl.load(x_ptr + i, mask=inside, other=0.0)
     tl.store(x_ptr + i, x * decay - step, mask=inside)  # x·(1 − lr·wd), then − lr·Δ: two roundings, no FMA
     if tl.sum((inside & ~ok).to(tl.int32)) > 0:
-        tl.atomic_max(bad_ptr, 1)
+        tl.atomic_max(bad_ptr, epoch)
 
 
 APPLY_BLOCK = 4096  # values per program of the apply
 
 
-def apply_levels(x: torch.Tensor, levels: torch.Tensor, steps: torch.Tensor, decay: float) -> torch.Tensor:
+def apply_levels(x: torch.Tensor, levels: torch.Tensor, steps: torch.Tensor, decay: float) -> Flag:
     """In place: ``x ← fl(x·decay) − steps[k]`` for the level ``k`` of each value; one read of x and the levels.
 
     Parameters
@@ -170,9 +203,9 @@ def apply_levels(x: torch.Tensor, levels: torch.Tensor, steps: torch.Tensor, dec
 
     Returns
     -------
-    torch.Tensor
-        A flag (int32, on ``x``'s device, not synchronized): 1 if a level was outside
-        ``0 … L−1`` (those values took step 0's value; ``x`` is then corrupted).
+    Flag
+        Raised (see :class:`Flag`; nothing is synchronized) if a level was outside
+        ``0 … L−1``: those values took step 0's value, so ``x`` is then corrupted.
 
     """
     if x.dtype != torch.float32 or x.dim() != 1 or not x.is_contiguous():
@@ -180,12 +213,13 @@ def apply_levels(x: torch.Tensor, levels: torch.Tensor, steps: torch.Tensor, dec
     if levels.dtype not in (torch.uint8, torch.int32) or levels.shape != x.shape or not levels.is_contiguous():
         raise ValueError(f"levels must be contiguous uint8 or int32 of shape {tuple(x.shape)}, got {levels.dtype} "
                          f"{tuple(levels.shape)}")  # fmt: skip
-    bad = torch.zeros(1, dtype=torch.int32, device=x.device)
+    bad = _new_flag(x.device)
     d = x.numel()
     if d:
-        grid = (triton.cdiv(d, APPLY_BLOCK),)
+        grid = (-(-d // APPLY_BLOCK),)
+        top = steps.numel() - 1
         _apply_levels[grid](
-            x, levels, steps, bad, d, steps.numel() - 1, decay, BLOCK=APPLY_BLOCK, enable_fp_fusion=False
+            x, levels, steps, bad.tensor, bad.epoch, d, top, decay, BLOCK=APPLY_BLOCK, enable_fp_fusion=False
         )
     return bad
 
@@ -378,12 +412,12 @@ def _launch_count(payloads: Sequence[torch.Tensor], d: int, what: int, *outs: to
     tie = outs[1] if len(outs) > 1 else outs[0]
     planes = max(1, n.bit_length())
     if what != _COUNTS and planes <= MAX_SLICED_PLANES:  # masks and planes straight from bit-sliced counters
-        grid = (triton.cdiv(nbytes, 4 * SLICED_WORDS),)
+        grid = (-(-nbytes // (4 * SLICED_WORDS)),)
         _count_sliced[grid](
             addresses, n, nbytes, n // 2, int(n % 2 == 0), outs[0], tie, WHAT=what, PLANES=planes, WORDS=SLICED_WORDS
         )
         return
-    grid = (triton.cdiv(nbytes, COUNT_BYTES),)
+    grid = (-(-nbytes // COUNT_BYTES),)
     _count_votes[grid](
         addresses, n, nbytes, d, n // 2, int(n % 2 == 0), outs[0], tie,
         WHAT=what, PLANES=planes, BYTES=COUNT_BYTES,

@@ -2,6 +2,7 @@
 
 import os
 import tempfile
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -13,6 +14,14 @@ if not torch.cuda.is_available():  # Triton kernels run in Triton's interpreter 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 # partitions cached by this session only (also in the processes it starts), never a user's old ones
 os.environ.setdefault("FLOWER_DLION_CACHE", tempfile.mkdtemp(prefix="flower-dlion-cache-"))
+
+
+@pytest.fixture(autouse=True)
+def restore_threads() -> Iterator[None]:
+    """Give back torch's thread count after a test that sets its own (tests of the threaded kernels)."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)
