@@ -188,10 +188,7 @@ def pack_local_step_(
     coefs = _lion_coefs(beta1, beta2)
     if fusable and device == "cuda" and (gpu := _gpu_kernels()) is not None:
         cuda_coefs = tuple(map(float, coefs))
-        exact = _FUSED_EXACT.get((device, float(beta1), float(beta2)))  # probed before: no probe to build
-        if exact or _fused_step_matches_torch(
-            functools.partial(_lion_pack_cuda, gpu, cuda_coefs), beta1, beta2, m.device
-        ):
+        if _fused_step_matches_torch(functools.partial(_lion_pack_cuda, gpu, cuda_coefs), beta1, beta2, m.device):
             packed, zeros, flag = gpu.lion_pack(m.view(-1), g.reshape(-1).contiguous(), cuda_coefs)
             if flag.read() and bool(zeros.any()):  # zero directions: pack_signs's coins on this device, at those bits
                 coin = torch.randint(0, 2, (d,), generator=generator, device=m.device, dtype=torch.uint8)
@@ -293,7 +290,7 @@ def apply_levels_(
     kernels = _kernels(d) if on_cpu and x.is_contiguous() and levels.numel() == d and top >= 1 else None
     lr32 = np.float32(lr)
     if kernels is not None:  # torch's steps lr·Δ for every level against the kernel's float32 arithmetic
-        torch_steps = (levels_to_values(torch.arange(num_levels), num_levels) * lr).numpy()
+        torch_steps = _steps_on(x.device, num_levels, float(lr)).numpy()
         steps = (np.arange(-top, top + 1, 2, dtype=np.int64).astype(np.float32) / np.float32(top)) * lr32
         kernels = kernels if np.array_equal(steps.view(np.int32), torch_steps.view(np.int32)) else None
     if kernels is None:
