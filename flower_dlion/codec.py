@@ -143,7 +143,7 @@ def pack_signs(v: torch.Tensor, generator: torch.Generator | None = None) -> tor
         packed, has_zeros = gpu.pack_positive(v.contiguous())
         if not has_zeros.read():  # with zeros, the tensor-operation path below draws the coins
             return packed
-    if v.device.type == "cpu" and v.dtype == torch.float32:
+    if v.is_cpu and v.dtype == torch.float32:
         host = v.contiguous().numpy()
         packed, has_zeros = _pack_positive_cpu(host)  # one pass, on every core
         if has_zeros:  # set a coin flip's bit at each exact zero
@@ -280,13 +280,13 @@ def apply_levels_(
     from .lion import apply_update_  # the reference: lion.py imports torch only
 
     d, top = x.numel(), num_levels - 1
-    if x.device.type == "cuda" and _apply_on_gpu(x, levels, top) and (gpu := _gpu_kernels()) is not None:
+    if x.is_cuda and _apply_on_gpu(x, levels, top) and (gpu := _gpu_kernels()) is not None:
         steps = _steps_on(x.device, num_levels, float(lr))  # torch's own lr·Δ of every level
         bad = gpu.apply_levels(x.view(-1), levels.view(-1), steps, float(np.float32(1.0 - lr * weight_decay)))
         if bad.read() and not 0 <= int((bounds := torch.aminmax(levels)).min) <= int(bounds.max) <= top:
             raise ValueError(f"level outside 0…{top}: corrupted update")
         return x
-    on_cpu = x.device.type == levels.device.type == "cpu" and x.dtype == torch.float32
+    on_cpu = x.is_cpu and levels.is_cpu and x.dtype == torch.float32
     kernels = _kernels(d) if on_cpu and x.is_contiguous() and levels.numel() == d and top >= 1 else None
     lr32 = np.float32(lr)
     if kernels is not None:  # torch's steps lr·Δ for every level against the kernel's float32 arithmetic

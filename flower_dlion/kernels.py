@@ -2,7 +2,7 @@
 
 Optional: :mod:`flower_dlion.codec` uses them when numba is installed (the ``fast`` extra)
 and falls back to numpy otherwise, with bit-identical results (the tests run both). Imports
-numpy and numba only (and llvmlite, numba's code generator, for one vector compare). Each
+numpy and numba only (and llvmlite, numba's code generator, for the vector code of the pack). Each
 kernel works on a range of its output, releases the GIL, and is called by the codec on
 several threads, one range per thread: on the codec's own threads, or (:class:`Team`, for the
 client's pack, Lion step and apply once a process calls them repeatedly) on the OpenMP team
@@ -14,9 +14,11 @@ Why fused: numpy does "compare" and "pack" as two passes, and the fallback's bit
 is five torch operations per pair of payloads on 512 kB chunks; here each value (each payload
 word) is read from memory once and everything else happens in registers or cache.
 
-- Pack: 64 floats at a time, one 64-lane compare straight into a 64-bit mask (AVX-512 mask
-  registers or AVX2 ``movmskps``), the bits put in MSB-first order by three swaps, one
-  uint64 store.
+- Pack: 64 floats at a time into one uint64 in packbits order (MSB first). On x86-64 with
+  AVX2 and no AVX-512 the sign bits go through AVX2's byte packs, one byte shuffle, one
+  dword permute and ``pmovmskb`` (no compare; a group holding ±0 or NaN, found by eight
+  unordered compares, is compared exactly instead); elsewhere one 64-lane compare straight
+  into a 64-bit mask (AVX-512 mask registers) and a bit reversal in each byte.
 - Lion step + pack (the client): m and g as two 64-lane vectors, the mix and the new momentum
   by vector FMAs (rounded as torch's ``add(alpha=)`` is; the codec checks that first), m
   stored back, the mix's signs packed as above.
@@ -40,7 +42,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import platform
 import threading
+from collections.abc import Callable
+from typing import TypeVar
 
 import numba
 import numpy as np
@@ -66,53 +71,147 @@ __all__ = [
 
 BLOCK = 64  # float32 values packed per group: one 64-lane compare, one uint64 of bits
 CHUNK_WORDS = 1024  # int64 words counted per chunk (8 kB per plane: the counters stay in L2)
-_ODD, _PAIRS = np.uint64(0x5555555555555555), np.uint64(0x3333333333333333)  # bit masks for _msb_first
-_NIBBLES = np.uint64(0x0F0F0F0F0F0F0F0F)
 # coordinate l of a packed word is bit 8·(l//8) + 7 − l%8 (byte l//8, little-endian; MSB first in the byte)
 _LANE_SHIFT = np.array([8 * (lane >> 3) + 7 - (lane & 7) for lane in range(64)], dtype=np.uint64)
 
 _jit = numba.njit(nogil=True, cache=True, boundscheck=False)
+_R = TypeVar("_R")
 
 
 # ------------------------------------------------------------------------------- pack
+def _packs_with_avx2() -> bool:
+    """Whether numba compiles for an x86-64 CPU with AVX2 and without AVX-512 (BW) here.
+
+    There the signs are packed by :func:`_sign_bits_avx2`; elsewhere by LLVM's own lowering
+    of a 64-lane compare (AVX-512 mask registers, Arm's NEON, or scalar code), which on
+    AVX2 alone costs about a third more per value (``benchmarks/pack_variants.py``).
+    """
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        from numba.core import codegen
+
+        flat = numba.config.CPU_FEATURES or codegen.get_host_cpu_features()  # what numba compiles for
+    except (AttributeError, ImportError, RuntimeError):
+        return False
+    features = {f[1:] for f in str(flat).split(",") if f.startswith("+")}
+    return "avx2" in features and "avx512bw" not in features
+
+
+_AVX2_PACKS = _packs_with_avx2()  # read when a kernel is compiled (numba caches per CPU and its features)
+
+
+def _x86(builder: ir.IRBuilder, name: str, result: ir.Type, *args: ir.Value) -> ir.Value:
+    """A call of the LLVM intrinsic ``llvm.x86.avx2.<name>``."""
+    kind = ir.FunctionType(result, [a.type for a in args])
+    return builder.call(cgutils.get_or_insert_function(builder.module, kind, f"llvm.x86.avx2.{name}"), list(args))
+
+
+def _eighths(builder: ir.IRBuilder, x: ir.Value) -> list[ir.Value]:
+    """The 64-lane ``x`` as eight 8-lane vectors (AVX2 registers)."""
+    lanes = ir.VectorType(ir.IntType(32), 8)
+    return [builder.shuffle_vector(x, x, ir.Constant(lanes, list(range(8 * q, 8 * q + 8)))) for q in range(8)]
+
+
+def _sign_bits_avx2(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    """The 64 floats ``x`` with a clear sign bit, as a uint64 in packbits order (MSB first in each byte).
+
+    ``packssdw`` and ``packsswb`` (signed saturation keeps the sign) bring each value's sign
+    into a byte, 32 values per register, in the packs' lane-interleaved order; ``pshufb``
+    reverses each 4 bytes and ``permd`` orders the 4-byte groups so that value 8q + r sits in
+    byte 8q + 7 − r; ``pmovmskb`` gathers the 32 signs. No compare: this is ``x > 0``
+    wherever no value is ±0 or NaN, which the caller checks.
+    """
+    int32s, int16s, bytes32 = (ir.VectorType(ir.IntType(w), n) for w, n in ((32, 8), (16, 16), (8, 32)))
+    parts = _eighths(builder, builder.bitcast(x, ir.VectorType(ir.IntType(32), 64)))
+    reverse4 = ir.Constant(bytes32, [3, 2, 1, 0, 7, 6, 5, 4, 11, 10, 9, 8, 15, 14, 13, 12] * 2)
+    order = ir.Constant(int32s, [4, 0, 5, 1, 6, 2, 7, 3])  # 4-byte groups after the packs: values 0–3, 8–11, …
+    halves = []
+    for a, b, c, d in (parts[:4], parts[4:]):
+        signs = _x86(builder, "packsswb", bytes32, _x86(builder, "packssdw", int16s, a, b),
+                     _x86(builder, "packssdw", int16s, c, d))  # fmt: skip
+        signs = builder.bitcast(_x86(builder, "pshuf.b", bytes32, signs, reverse4), int32s)
+        signs = builder.bitcast(_x86(builder, "permd", int32s, signs, order), bytes32)
+        halves.append(builder.zext(_x86(builder, "pmovmskb", ir.IntType(32), signs), ir.IntType(64)))
+    word = builder.or_(halves[0], builder.shl(halves[1], ir.Constant(ir.IntType(64), 32)))
+    return builder.not_(word)
+
+
+def _any_zero_or_nan(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    """Whether one of the 64 floats ``x`` is ±0 or NaN (an i1): eight unordered compares and an OR."""
+    masks = _eighths(builder, builder.sext(builder.fcmp_unordered("==", x, ir.Constant(x.type, None)),
+                                           ir.VectorType(ir.IntType(32), 64)))  # fmt: skip
+    while len(masks) > 1:
+        masks = [builder.or_(a, b) for a, b in zip(masks[::2], masks[1::2], strict=True)]
+    lanes = builder.bitcast(builder.icmp_signed("<", masks[0], ir.Constant(masks[0].type, None)), ir.IntType(8))
+    return builder.icmp_unsigned("!=", lanes, ir.Constant(ir.IntType(8), 0))
+
+
+def _msb_first(builder: ir.IRBuilder, mask: ir.Value) -> ir.Value:
+    """A 64-lane i1 mask as a uint64 in packbits order: value i at bit 7 − i%8 of byte i//8."""
+    word = ir.IntType(64)
+    bswap, reverse = (
+        cgutils.get_or_insert_function(builder.module, ir.FunctionType(word, [word]), f"llvm.{f}.i64")
+        for f in ("bswap", "bitreverse")
+    )
+    return builder.call(reverse, [builder.call(bswap, [builder.bitcast(mask, word)])])  # bits reversed in each byte
+
+
+def _pack64(builder: ir.IRBuilder, x: ir.Value, exact: Callable[[], ir.Value]) -> tuple[ir.Value, ir.Value]:
+    """``x > 0`` of 64 floats in packbits order, and ``exact()`` where a value is ±0 or NaN (else 0).
+
+    With :data:`_AVX2_PACKS` the sign bits (:func:`_sign_bits_avx2`), and the ordered compare
+    only in the rare groups with ±0 or NaN; elsewhere the compare and ``exact()`` always.
+    ``exact()`` emits the zero report (an i64).
+    """
+    word = ir.IntType(64)
+    if not _AVX2_PACKS:
+        return _msb_first(builder, builder.fcmp_ordered(">", x, ir.Constant(x.type, None))), exact()
+    fast = _sign_bits_avx2(builder, x)
+    with builder.if_else(_any_zero_or_nan(builder, x), likely=False) as (odd, plain):
+        with odd:
+            slow, report = _msb_first(builder, builder.fcmp_ordered(">", x, ir.Constant(x.type, None))), exact()
+            odd_block = builder.basic_block
+        with plain:
+            plain_block = builder.basic_block
+    bits, zeros = builder.phi(word), builder.phi(word)
+    bits.add_incoming(slow, odd_block)
+    bits.add_incoming(fast, plain_block)
+    zeros.add_incoming(report, odd_block)
+    zeros.add_incoming(ir.Constant(word, 0), plain_block)
+    return bits, zeros
+
+
 @intrinsic
 def _signs64(typingctx: object, v: types.Array, start: types.Integer) -> tuple:
-    """The bit mask of ``v[start : start+64] > 0`` (value i at bit i), and 1 if one of them is ±0 (else 0).
+    """The bits of ``v[start : start+64] > 0`` in packbits order, and 1 if one of them is ±0 (else 0).
 
-    One 64-lane vector compare (LLVM: four AVX-512 compares into mask registers, or eight
-    AVX2 compares and ``movmskps``): the signs never pass through bytes. Ordered compare, so
-    NaN gives 0, as numpy's ``>`` does. The zero test is an unsigned minimum over the 64
-    values' bits without the sign (0 only for ±0; NaN is not zero) on vector registers,
-    cheaper than a second compare into mask registers (docs/PERFORMANCE.md). ``v`` must be
-    C-contiguous float32 with 64 values from ``start`` on.
+    Ordered compare, so NaN gives 0, as numpy's ``>`` does (:func:`_pack64`). The zero test
+    of the plain compare is an unsigned minimum over the 64 values' bits without the sign
+    (0 only for ±0; NaN is not zero) on vector registers, cheaper than a second compare into
+    mask registers (docs/PERFORMANCE.md). ``v`` must be C-contiguous float32 with 64 values
+    from ``start`` on.
     """
     if not (isinstance(v, types.Array) and v.dtype == types.float32 and v.layout == "C"):
         return None
     sig = types.UniTuple(types.uint64, 2)(v, start)
 
-    def codegen(context: object, builder: object, signature: object, args: tuple) -> object:
+    def codegen(context: object, builder: ir.IRBuilder, signature: object, args: tuple) -> object:
         data = context.make_array(signature.args[0])(context, builder, args[0]).data
         lanes, ints = ir.VectorType(ir.FloatType(), 64), ir.VectorType(ir.IntType(32), 64)
         x = builder.load(builder.bitcast(builder.gep(data, [args[1]]), lanes.as_pointer()), align=4)
-        zero, word = ir.Constant(lanes, None), ir.IntType(64)
-        gt = builder.bitcast(builder.fcmp_ordered(">", x, zero), word)
-        magnitude = builder.and_(builder.bitcast(x, ints), ir.Constant(ints, [0x7FFFFFFF] * 64))  # |x|'s bits
-        umin = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.IntType(32), [ints]), "llvm.vector.reduce.umin.v64i32"
-        )
-        smallest = builder.call(umin, [magnitude])
-        has_zero = builder.zext(builder.icmp_unsigned("==", smallest, ir.Constant(ir.IntType(32), 0)), word)
-        return context.make_tuple(builder, signature.return_type, [gt, has_zero])
+
+        def has_zero() -> ir.Value:
+            magnitude = builder.and_(builder.bitcast(x, ints), ir.Constant(ints, [0x7FFFFFFF] * 64))  # |x|'s bits
+            umin = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.IntType(32), [ints]), "llvm.vector.reduce.umin.v64i32"
+            )
+            zero = builder.icmp_unsigned("==", builder.call(umin, [magnitude]), ir.Constant(ir.IntType(32), 0))
+            return builder.zext(zero, ir.IntType(64))
+
+        return context.make_tuple(builder, signature.return_type, _pack64(builder, x, has_zero))
 
     return sig, codegen
-
-
-@_jit
-def _msb_first(w: np.uint64) -> np.uint64:
-    """Reverse the bit order inside each byte of ``w`` (value i at bit 7 − i%8 of byte i//8)."""
-    w = ((w >> np.uint64(1)) & _ODD) | ((w & _ODD) << np.uint64(1))  # swap neighbouring bits
-    w = ((w >> np.uint64(2)) & _PAIRS) | ((w & _PAIRS) << np.uint64(2))  # swap pairs
-    return ((w >> np.uint64(4)) & _NIBBLES) | ((w & _NIBBLES) << np.uint64(4))  # swap nibbles
 
 
 @_jit
@@ -128,8 +227,8 @@ def pack_positive(v: np.ndarray, out: np.ndarray, first: int, last: int) -> bool
     words = out[: 8 * whole].view(np.uint64)  # group k is word k: 8 bytes, little-endian
     zero = np.uint64(0)
     for k in range(first, min(last, whole)):
-        gt, has_zero = _signs64(v, BLOCK * k)
-        words[k] = _msb_first(gt)  # bitcast order (value i at bit i) → packbits order (MSB first)
+        word, has_zero = _signs64(v, BLOCK * k)
+        words[k] = word
         zero |= has_zero  # exact zeros get a coin flip later
     if last > whole:  # the partial last group
         out[8 * whole :] = 0
@@ -150,12 +249,13 @@ def _splat(builder: ir.IRBuilder, x: ir.Value, lanes: ir.VectorType) -> ir.Value
 
 @intrinsic
 def _lion64(typingctx: object, m: types.Array, g: types.Array, start: types.Integer, coefs: types.UniTuple) -> tuple:
-    """One Lion step on ``m[start : start+64]``, in place; returns δ's masks (value i at bit i).
+    """One Lion step on ``m[start : start+64]``, in place; returns δ's bits and its zero directions.
 
     ``coefs = (β₁, 1−β₁, β₂, 1−β₂)`` as float32. Rounds as torch's ``m.mul(β₁).add_(g,
     alpha=1−β₁)`` does with FMA: ``c = fma(1−β₁, g, fl(β₁·m))`` and ``m ← fma(1−β₂, g,
-    fl(β₂·m))``, 64 lanes at a time. Masks: ``c > 0`` (ordered), and ``sign(c) = 0`` —
-    ``c = 0`` or NaN (unordered compare), as ``torch.sign`` gives 0 for NaN.
+    fl(β₂·m))``, 64 lanes at a time. Returns ``c > 0`` (ordered) in packbits order
+    (:func:`_pack64`), and the mask of ``sign(c) = 0`` — ``c = 0`` or NaN (unordered
+    compare), as ``torch.sign`` gives 0 for NaN — with value i at bit i.
     """
     if not all(isinstance(a, types.Array) and a.dtype == types.float32 and a.layout == "C" for a in (m, g)):
         return None
@@ -172,10 +272,11 @@ def _lion64(typingctx: object, m: types.Array, g: types.Array, start: types.Inte
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(lanes, [lanes] * 3), "llvm.fma.v64f32")
         mix = builder.call(fma, [a1, gv, builder.fmul(b1, mv)])  # β₁·m + (1−β₁)·g
         builder.store(builder.call(fma, [a2, gv, builder.fmul(b2, mv)]), ptrs[0], align=4)  # m ← β₂·m + (1−β₂)·g
-        zero = ir.Constant(lanes, None)
-        gt = builder.bitcast(builder.fcmp_ordered(">", mix, zero), word)
-        tie = builder.bitcast(builder.fcmp_unordered("==", mix, zero), word)
-        return context.make_tuple(builder, signature.return_type, [gt, tie])
+
+        def ties() -> ir.Value:
+            return builder.bitcast(builder.fcmp_unordered("==", mix, ir.Constant(lanes, None)), word)
+
+        return context.make_tuple(builder, signature.return_type, _pack64(builder, mix, ties))
 
     return sig, codegen
 
@@ -204,8 +305,8 @@ def lion_pack(
     words = out[: 8 * whole].view(np.uint64)
     found = np.uint64(0)
     for k in range(first, min(last, whole)):
-        gt, tie = _lion64(m, g, BLOCK * k, coefs)
-        words[k] = _msb_first(gt)  # packbits order
+        bits, tie = _lion64(m, g, BLOCK * k, coefs)
+        words[k] = bits
         if tie:
             zeros[k] = tie
             found |= tie
@@ -213,11 +314,11 @@ def lion_pack(
         rest = d - BLOCK * whole
         pm, pg = np.zeros(BLOCK, np.float32), np.zeros(BLOCK, np.float32)
         pm[:rest], pg[:rest] = m[BLOCK * whole :], g[BLOCK * whole :]
-        gt, tie = _lion64(pm, pg, 0, coefs)
+        bits, tie = _lion64(pm, pg, 0, coefs)
         m[BLOCK * whole :] = pm[:rest]
-        gt, tie = _msb_first(gt), tie & ((np.uint64(1) << np.uint64(rest)) - np.uint64(1))  # padding: mix = 0
+        tie &= (np.uint64(1) << np.uint64(rest)) - np.uint64(1)  # the padding's mix is 0: no direction
         for j in range(out.size - 8 * whole):  # little-endian: byte j of the word
-            out[8 * whole + j] = np.uint8((gt >> np.uint64(8 * j)) & np.uint64(0xFF))
+            out[8 * whole + j] = np.uint8((bits >> np.uint64(8 * j)) & np.uint64(0xFF))
         if tie:
             zeros[whole] = tie
             found |= tie
@@ -742,10 +843,15 @@ def _take(typingctx: object, args: types.Type, index: types.Integer) -> tuple:
 
 
 @functools.cache
-def _pack_task() -> object:
-    """The task, compiled on first use (loaded from numba's cache: 0.2 s for a process's first task)."""
+def _pack_task(pack: object = None) -> object:
+    """The task, compiled on first use (loaded from numba's cache: 0.2 s for a process's first task).
 
-    @numba.cfunc(_TASK, cache=True)
+    ``pack``: another compiled :func:`pack_positive` to run instead (``benchmarks/pack_variants.py``
+    times the formulations on the team); that task is compiled afresh, not cached.
+    """
+    cache, pack = pack is None, pack_positive if pack is None else pack
+
+    @numba.cfunc(_TASK, cache=cache)
     def task(args: object) -> None:  # int64 [next, parts, groups, v, d, out, found]
         a = numba.carray(args, 7, np.int64)
         parts, groups, d = a[1], a[2], a[4]
@@ -756,7 +862,7 @@ def _pack_task() -> object:
         )
         p = _take(args, 0)
         while p < parts:
-            found[p] = pack_positive(v, out, groups * p // parts, groups * (p + 1) // parts)
+            found[p] = pack(v, out, groups * p // parts, groups * (p + 1) // parts)
             p = _take(args, 0)
 
     return task
@@ -829,6 +935,93 @@ def _count_task() -> object:
     return task
 
 
+@intrinsic
+def _gomp_parallel(typingctx: object, parallel: types.Integer, task: types.Integer, data: types.Integer,
+                   threads: types.Integer) -> tuple:  # fmt: skip
+    """``GOMP_parallel(task, data, threads, 0)`` through its address ``parallel`` (all int64)."""
+    sig = types.void(types.int64, types.int64, types.int64, types.int64)
+
+    def codegen(context: object, builder: ir.IRBuilder, signature: object, a: tuple) -> object:
+        void_p, uint = ir.IntType(8).as_pointer(), ir.IntType(32)
+        kind = ir.FunctionType(ir.VoidType(), [void_p, void_p, uint, uint])  # (fn, data, num_threads, flags)
+        run = builder.inttoptr(a[0], kind.as_pointer())
+        builder.call(run, [builder.inttoptr(a[1], void_p), builder.inttoptr(a[2], void_p), builder.trunc(a[3], uint),
+                           ir.Constant(uint, 0)])  # fmt: skip
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+# The launches: each fills its task's int64 arguments and runs it on the team, compiled and
+# with the GIL released: from Python, one call with a few array arguments (Python's own
+# per-call work, ctypes and array addresses, cost 15–20 µs against a 57 µs pack of 10⁶
+# values). The task's arguments, its float scalars and its per-part results share one
+# buffer that is read after the run: numba frees an array after its last use, so none may
+# be used only through an address.
+_PARTS_PER_THREAD = 4  # a thread that wakes late leaves its parts to the others
+
+
+@_jit
+def _launch_pack(parallel: int, task: int, threads: int, v: np.ndarray, out: np.ndarray) -> bool:
+    """:func:`pack_positive` of every group of ``v`` into ``out`` on the team; whether there is an exact zero."""
+    parts = threads * _PARTS_PER_THREAD
+    a = np.zeros(7 + (parts + 7) // 8, dtype=np.int64)  # the arguments, then a byte per part: found
+    a[1], a[2], a[3] = parts, (v.size + BLOCK - 1) // BLOCK, v.ctypes.data
+    a[4], a[5], a[6] = v.size, out.ctypes.data, a.ctypes.data + 7 * 8
+    _gomp_parallel(parallel, task, a.ctypes.data, threads)
+    return a[7:].view(np.uint8)[:parts].any()
+
+
+@_jit
+def _launch_lion_pack(
+    parallel: int, task: int, threads: int, m: np.ndarray, g: np.ndarray, coefs: tuple, out: np.ndarray,
+    zeros: np.ndarray,
+) -> bool:  # fmt: skip
+    """:func:`lion_pack` of every group on the team; whether there is a zero direction."""
+    parts = threads * _PARTS_PER_THREAD
+    a = np.zeros(12 + (parts + 7) // 8, dtype=np.int64)  # the arguments, 4 float32 coefs, a byte per part
+    c = a[10:12].view(np.float32)
+    c[0], c[1], c[2], c[3] = coefs
+    a[1], a[2], a[3], a[4], a[5] = parts, zeros.size, m.ctypes.data, g.ctypes.data, m.size
+    a[6], a[7], a[8], a[9] = a.ctypes.data + 10 * 8, out.ctypes.data, zeros.ctypes.data, a.ctypes.data + 12 * 8
+    _gomp_parallel(parallel, task, a.ctypes.data, threads)
+    return a[12:].view(np.uint8)[:parts].any()
+
+
+@_jit
+def _launch_apply(
+    parallel: int, task: int, threads: int, x: np.ndarray, levels: np.ndarray, top: int, lr: np.float32,
+    decay: np.float32,
+) -> int:  # fmt: skip
+    """:func:`apply_levels` of every value on the team (uint8 or int32 levels); the largest level."""
+    parts = threads * _PARTS_PER_THREAD
+    a = np.zeros(10 + parts, dtype=np.int64)  # the arguments, float32 lr and decay, a word per part: worst
+    s = a[9:10].view(np.float32)
+    s[0], s[1] = lr, decay
+    a[1], a[2], a[3], a[4] = parts, x.size, x.ctypes.data, levels.ctypes.data
+    a[5], a[6], a[7], a[8] = levels.itemsize == 4, top, a.ctypes.data + 9 * 8, a.ctypes.data + 10 * 8
+    _gomp_parallel(parallel, task, a.ctypes.data, threads)
+    return a[10:].view(np.uint64).max()
+
+
+@_jit
+def _launch_count(
+    parallel: int, task: int, threads: int, addresses: np.ndarray, whole: int, out: np.ndarray, tie: np.ndarray,
+    vote: bool, work: np.ndarray,
+) -> int:  # fmt: skip
+    """:func:`count_planes` (``out``: the (B, words) planes) or :func:`vote_masks` (``out``, ``tie``) on the team.
+
+    Returns how many of the team's threads took part.
+    """
+    a = np.zeros(13, dtype=np.int64)
+    a[1], a[2], a[3], a[4] = threads * _PARTS_PER_THREAD, whole, addresses.ctypes.data, addresses.size
+    a[5], a[6], a[7] = vote, out.ctypes.data, tie.ctypes.data
+    a[8], a[9] = 1 if vote else out.shape[0], out.shape[-1]  # rows and words of out
+    a[10], a[11] = work.ctypes.data, work.shape[1]
+    _gomp_parallel(parallel, task, a.ctypes.data, threads)
+    return a[12]
+
+
 class Team:
     """Runs a task on torch's OpenMP team: ``GOMP_parallel`` of the runtime already loaded.
 
@@ -839,40 +1032,24 @@ class Team:
     :meth:`run` returns.
     """
 
-    PARTS_PER_THREAD = 4  # a thread that wakes late leaves its parts to the others
-
     def __init__(self) -> None:
-        self._parallel = ctypes.CDLL(None).GOMP_parallel  # AttributeError where no OpenMP is loaded
-        self._parallel.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
-        self._parallel.restype = None
+        parallel = ctypes.CDLL(None).GOMP_parallel  # AttributeError where no OpenMP is loaded
+        self._parallel = ctypes.cast(parallel, ctypes.c_void_p).value
         self._local = threading.local()  # per calling thread: the count's scratch arrays
 
-    def run(self, task: object, args: np.ndarray, threads: int) -> None:
-        """``task(args)`` on ``threads`` threads; ``args[0]`` (the part counter) must be 0."""
-        self._parallel(task.address, args.ctypes.data, threads, 0)
+    def run(self, launch: Callable[..., _R], task: object, threads: int, *operands: object) -> _R:
+        """``launch``'s task on ``threads`` threads of the team with ``operands``; what ``launch`` returns."""
+        return launch(self._parallel, task.address, threads, *operands)
 
     def pack_positive(self, v: np.ndarray, out: np.ndarray, threads: int) -> bool:
         """:func:`pack_positive` of every group on ``threads`` threads; whether ``v`` has an exact zero."""
-        parts = threads * self.PARTS_PER_THREAD
-        found = np.zeros(parts, dtype=np.uint8)
-        args = np.array(
-            [0, parts, -(-v.size // BLOCK), v.ctypes.data, v.size, out.ctypes.data, found.ctypes.data], dtype=np.int64
-        )
-        self.run(_pack_task(), args, threads)
-        return bool(found.any())
+        return self.run(_launch_pack, _pack_task(), threads, v, out)
 
     def lion_pack(
         self, m: np.ndarray, g: np.ndarray, coefs: tuple, out: np.ndarray, zeros: np.ndarray, threads: int
     ) -> bool:
         """:func:`lion_pack` of every group on ``threads`` threads; whether there is a zero direction."""
-        parts = threads * self.PARTS_PER_THREAD
-        found, c = np.zeros(parts, dtype=np.uint8), np.array(coefs, dtype=np.float32)
-        args = np.array(
-            [0, parts, zeros.size, m.ctypes.data, g.ctypes.data, m.size, c.ctypes.data, out.ctypes.data,
-             zeros.ctypes.data, found.ctypes.data], dtype=np.int64,
-        )  # fmt: skip
-        self.run(_lion_pack_task(), args, threads)
-        return bool(found.any())
+        return self.run(_launch_lion_pack, _lion_pack_task(), threads, m, g, coefs, out, zeros)
 
     def apply_levels(
         self, x: np.ndarray, levels: np.ndarray, top: int, lr: np.float32, decay: np.float32, threads: int
@@ -880,14 +1057,7 @@ class Team:
         """:func:`apply_levels` of every value on ``threads`` threads (uint8 or int32 levels); the largest level."""
         if levels.dtype not in (np.uint8, np.int32):
             raise TypeError(f"levels must be uint8 or int32, got {levels.dtype}")
-        parts = threads * self.PARTS_PER_THREAD
-        worst, s = np.zeros(parts, dtype=np.uint64), np.array([lr, decay], dtype=np.float32)
-        args = np.array(
-            [0, parts, x.size, x.ctypes.data, levels.ctypes.data, int(levels.dtype == np.int32), top, s.ctypes.data,
-             worst.ctypes.data], dtype=np.int64,
-        )  # fmt: skip
-        self.run(_apply_task(), args, threads)
-        return int(worst.max())
+        return int(self.run(_launch_apply, _apply_task(), threads, x, levels, top, lr, decay))
 
     def count(self, addresses: np.ndarray, whole: int, out: np.ndarray, tie: np.ndarray | None, threads: int) -> None:
         """:func:`count_planes` or :func:`vote_masks` of the words ``0 … whole−1`` on ``threads`` threads.
@@ -895,15 +1065,9 @@ class Team:
         With ``tie`` None ``out`` gets the (B, words) count planes; else ``out`` (1-D) gets
         the mask count > n/2 and ``tie`` the mask count = n/2.
         """
-        parts = threads * self.PARTS_PER_THREAD
-        rows = out.shape[0] if tie is None else 1
         work = self._scratch(threads, addresses.size.bit_length())
-        args = np.array(
-            [0, parts, whole, addresses.ctypes.data, addresses.size, int(tie is not None), out.ctypes.data,
-             (out if tie is None else tie).ctypes.data, rows, out.shape[-1], work.ctypes.data, work.shape[1], 0],
-            dtype=np.int64,
-        )  # fmt: skip
-        self.run(_count_task(), args, threads)
+        vote = tie is not None
+        self.run(_launch_count, _count_task(), threads, addresses, whole, out, tie if vote else out[0], vote, work)
 
     def _scratch(self, threads: int, num_planes: int) -> np.ndarray:
         """``threads`` stacked :func:`scratch` arrays, allocated once per calling thread and reused."""

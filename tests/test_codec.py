@@ -3,6 +3,7 @@
 import functools
 import importlib.util
 import os
+import platform
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -347,6 +348,78 @@ def test_kernel_pack_is_bit_identical_to_numpy(d: int, zeros: int, seed: int) ->
     assert torch.equal(got, expected)
 
 
+def _host_has_avx2() -> bool:
+    """Whether this is x86-64 with AVX2 (the kernels' AVX2 packs compile here)."""
+    import llvmlite.binding
+
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    return x86 and bool(llvmlite.binding.get_host_cpu_features().get("avx2"))
+
+
+SPECIALS = [0.0, -0.0, float("nan"), -float("nan"), float("inf"), -float("inf"), 1e-45, -1e-45, 3e38, -3e38]
+
+
+@pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
+@pytest.mark.parametrize(
+    "avx2", [False, pytest.param(True, marks=pytest.mark.skipif(not _host_has_avx2(), reason="needs AVX2"))]
+)
+def test_both_pack_formulations_equal_numpy_and_the_composition(avx2: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    import numba
+
+    from flower_dlion import kernels as real
+
+    # Prepare: both ways of packing 64 signs, compiled afresh (the codec's kernels use the one for this CPU).
+    # Group 0 is hand-computed; groups 1–640 hold one special value each, at every lane in turn (these
+    # groups take the exact path); the rest are random (the sign-bit path); 13 values in a partial group.
+    monkeypatch.setattr(real, "_AVX2_PACKS", avx2)
+    pack, lion_pack = numba.njit(real.pack_positive.py_func), numba.njit(real.lion_pack.py_func)
+    d = 64 * (1 + 64 * len(SPECIALS) + 100) + 13
+    at = np.array([64 * (1 + 64 * j + lane) + lane for j in range(len(SPECIALS)) for lane in range(64)])
+    specials = np.repeat(np.array(SPECIALS, np.float32), 64)
+    v = np.random.default_rng(0).standard_normal(d).astype(np.float32)
+    v[:64] = np.where(np.arange(64) % 9 == 0, 2.0, -0.5)  # > 0 at 0, 9, 18, …, 63
+    v[at] = specials
+    out = np.zeros(codec.packed_size(d), np.uint8)
+    # Execute
+    has_zero = pack(v, out, 0, -(-d // 64))
+    # Assert: group 0 byte by byte; all of it numpy's packbits; exact zeros reported (NaN is no zero)
+    assert out[:8].tolist() == [0b1000_0000, 0b0100_0000, 0b0010_0000, 0b0001_0000,
+                                0b0000_1000, 0b0000_0100, 0b0000_0010, 0b0000_0001]  # fmt: skip
+    assert np.array_equal(out, np.packbits(v > 0)) and has_zero
+    v[v == 0] = 1.0
+    assert not pack(v, out, 0, -(-d // 64)) and np.array_equal(out, np.packbits(v > 0))
+
+    # Prepare: the fused step with the same special values in the mix (m = 0 there; 0.1·1e-45 is 0)
+    m, g = (np.random.default_rng(seed).standard_normal(d).astype(np.float32) for seed in (1, 2))
+    m[at], g[at] = 0.0, specials
+    m_ref = torch.from_numpy(m.copy())
+    mix = lion.local_step_(m_ref, torch.from_numpy(g), 0.9, 0.99).numpy()
+    out, zeros = np.zeros(codec.packed_size(d), np.uint8), np.zeros(-(-d // 64), np.uint64)
+    # Execute
+    found = lion_pack(m, g, codec._lion_coefs(0.9, 0.99), out, zeros, 0, zeros.size)
+    # Assert: δ's bits, the zero directions (mix 0 or NaN; value i at bit i), the momentum
+    tie = np.unpackbits(zeros.view(np.uint8), bitorder="little")[:d].astype(bool)
+    assert np.array_equal(out, np.packbits(mix > 0))
+    assert np.array_equal(tie, (mix == 0) | np.isnan(mix)) and found and tie.sum() > 5 * 64
+    assert _same_floats(torch.from_numpy(m), m_ref)
+
+
+def test_avx2_packs_are_chosen_by_the_cpu_numba_compiles_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("numba")
+    import numba
+
+    from flower_dlion import kernels as real
+
+    # Execute / Assert: AVX2 without AVX-512 BW only, on x86-64 only
+    monkeypatch.setattr(real.platform, "machine", lambda: "x86_64")
+    for features, expected in [("+avx2,-avx512bw", True), ("+avx2,+avx512bw", False), ("-avx2,+sse4.2", False)]:
+        monkeypatch.setattr(numba.config, "CPU_FEATURES", features)
+        assert real._packs_with_avx2() is expected
+    monkeypatch.setattr(real.platform, "machine", lambda: "aarch64")
+    monkeypatch.setattr(numba.config, "CPU_FEATURES", "+avx2")
+    assert real._packs_with_avx2() is False
+
+
 def _record_thread_parts(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     """Make ``codec._on_threads`` record (items, parts) of every call into the returned list."""
     calls: list[tuple[int, int]] = []
@@ -491,9 +564,12 @@ def team(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     monkeypatch.setattr(codec, "_TEAM_COUNT_GRAIN", 1 << 10)
     runs: list[int] = []
     run = real.Team.run
-    monkeypatch.setattr(
-        real.Team, "run", lambda self, task, args, threads: runs.append(threads) or run(self, task, args, threads)
-    )
+
+    def counted(self: object, launch: object, task: object, threads: int, *operands: object) -> object:
+        runs.append(threads)
+        return run(self, launch, task, threads, *operands)
+
+    monkeypatch.setattr(real.Team, "run", counted)
     return runs
 
 
@@ -538,6 +614,18 @@ def test_vote_counts_on_torchs_team_equal_numpys(n: int, team: list[int]) -> Non
     # Assert: two runs on two threads; numpy's planes and masks
     assert team == [2, 2]
     assert torch.equal(got_planes, planes) and torch.equal(got_gt, gt) and torch.equal(got_tie, tie)
+
+
+@pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
+@pytest.mark.parametrize(("bad", "dtype"), [(-1, torch.int32), (11, torch.int32), (255, torch.uint8)])
+def test_apply_on_torchs_team_rejects_a_level_out_of_range(bad: int, dtype: torch.dtype, team: list[int]) -> None:
+    # Prepare: 10⁵ levels of 0…10 with one bad level near the end
+    levels = torch.randint(0, 11, (100_003,), generator=torch.Generator().manual_seed(0)).to(dtype)
+    levels[99_000] = bad
+    # Execute / Assert: the team's run finds it
+    with pytest.raises(ValueError, match="level outside 0…10: corrupted update"):
+        codec.apply_levels_(torch.zeros(100_003), levels, 11, 0.1, 0.0)
+    assert team == [2]
 
 
 @pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
