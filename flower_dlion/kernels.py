@@ -342,9 +342,10 @@ def apply_levels(
     topf = np.float32(top)
     worst = np.uint32(0)
     for i in range(xs.size):
-        k = ks[i]
+        k = np.int32(ks[i])
         worst = max(worst, np.uint32(k))
-        xs[i] = xs[i] * decay - np.float32(np.float32(2 * k - top) / topf) * lr  # x·(1 − lr·wd) − lr·Δ
+        numerator = np.int32(2 * k - top)  # int32, as torch's: AVX2 converts no int64 to float in vectors
+        xs[i] = xs[i] * decay - np.float32(np.float32(numerator) / topf) * lr  # x·(1 − lr·wd) − lr·Δ
     return worst
 
 
