@@ -2,8 +2,8 @@
 
 Prints microseconds per call of 2,000 back-to-back calls (the host's launch rate where
 the GPU keeps up) for torch's own one-launch operations, the Triton pack launched by its
-JIT and by its compiled kernel directly, reading a flag back, and the codec's calls; then
-a cProfile of each codec call. Run on a CUDA device:
+JIT, taking a window of coin counters from a generator, reading a flag back (the apply
+still does), and the codec's calls; then a cProfile of each codec call. Run on a CUDA device:
 
     python benchmarks/gpu_launch.py            (``cpu`` as an argument: a smoke run in Triton's interpreter)
 """
@@ -54,27 +54,14 @@ nbytes = (d + 7) // 8
 out = torch.empty(nbytes, dtype=torch.uint8, device=dev)
 flag = torch.zeros(1, dtype=torch.int64, device=dev)
 grid = (triton.cdiv(nbytes, 1024),)
+gen = torch.Generator(device=dev)
+seed, counter = gk.coin_stream(gen, dev, nbytes)
 print("back-to-back, µs per call (CPU launch rate where the GPU keeps up)")
 print("torch.sum", per_call(lambda: torch.sum(v)))
 print("x.mul_", per_call(lambda: x.mul_(1.0)))
-print("JIT _pack_positive", per_call(lambda: gk._pack_positive[grid](v, out, flag, 1 << 33, d, nbytes, BYTES=1024)))
-ck = gk._pack_positive[grid](v, out, flag, 1 << 33, d, nbytes, BYTES=1024)  # the compiled kernel (interpreter: None)
-print("JIT returns", type(ck).__name__)
-for args in ((v, out, flag, 1 << 33, d, nbytes, 1024),):
-    try:
-        run = ck[(grid[0], 1, 1)]  # its launcher, bypassing the JIT's binding and specialization
-        run(*args)
-        sync()
-        print(f"runner with {len(args)} args", per_call(lambda run=run, args=args: run(*args)))
-        check = torch.empty_like(out)
-        out.zero_()
-        run(*args)
-        gk._pack_positive[grid](v, check, flag, 1 << 33, d, nbytes, BYTES=1024)
-        print("runner output equal:", torch.equal(out, check))
-    except Exception as exc:  # a Triton whose compiled kernel launches otherwise: reported, not fatal
-        print(f"runner with {len(args)} args:", type(exc).__name__, exc)
+print("JIT _pack_positive", per_call(lambda: gk._pack_positive[grid](v, out, seed, counter, d, nbytes, BYTES=1024)))
+print("coin_stream", per_call(lambda: gk.coin_stream(gen, dev, nbytes)))
 print("int(flag)", per_call(lambda: int(flag)))
-print("flag.zero_()", per_call(lambda: flag.zero_()))
 print("pack_signs", per_call(lambda: codec.pack_signs(v)))
 print("pack_local_step_", per_call(lambda: codec.pack_local_step_(m, g, 0.9, 0.99)))
 print("apply_levels_ L=3", per_call(lambda: codec.apply_levels_(x, levels, 3, 1e-4, 0.1)))

@@ -29,7 +29,8 @@ numpy or torch; both give the same bytes and floats.
 save more than a fresh process spends importing them), ``on`` (always; an error without
 numba) or ``off`` (numpy only). On a CUDA device the sign pack is one fused Triton kernel
 (:mod:`flower_dlion.gpu_kernels`; Triton comes with torch's CUDA builds on Linux) under
-``auto`` and ``on`` (an error without Triton), tensor operations under ``off``; so are the
+``auto`` and ``on`` (an error without Triton), tensor operations under ``off`` (the same
+bytes but for the coin flips at exact zeros, which the kernel draws itself); so are the
 vote counts of payloads in GPU memory (:func:`count_ones`, :func:`vote_masks`, :func:`count_planes`).
 """
 
@@ -134,20 +135,21 @@ def pack_signs(v: torch.Tensor, generator: torch.Generator | None = None) -> tor
     such parameter the same way each round, so each zero is sent as a fair coin flip
     drawn from ``generator`` (unbiased; seed it for reproducible runs). On the CPU the
     signs are compared and packed on torch's threads in one read of ``v``: 64 at a time by
-    the fused kernel where available, else a cache-sized chunk at a time by numpy; on a CUDA device by one Triton
-    kernel (one read of ``v``; reading its zero flag waits for it, as reading the bytes
-    would); elsewhere, or with exact zeros, with tensor operations on ``v``'s device.
+    the fused kernel where available, else a cache-sized chunk at a time by numpy; the
+    coins come from ``torch.randint`` over the zeros alone. On a CUDA device one Triton
+    kernel reads ``v`` once and draws the coins itself, from Philox at a counter the
+    generator hands out without device work (:func:`flower_dlion.gpu_kernels.coin_stream`):
+    nothing is synchronized. Elsewhere it is tensor operations on ``v``'s device
+    (``torch.randint`` coins for all d values, used at the zeros).
     """
     v = v if v.dim() == 1 else v.reshape(-1)
     if v.is_cuda and v.dtype == torch.float32 and (gpu := _gpu_kernels()) is not None:
-        packed, has_zeros = gpu.pack_positive(v.contiguous())
-        if not has_zeros.read():  # with zeros, the tensor-operation path below draws the coins
-            return packed
+        return gpu.pack_positive(v.contiguous(), generator)
     if v.is_cpu and v.dtype == torch.float32:
         host = v.contiguous().numpy()
-        packed, has_zeros = _pack_positive_cpu(host)  # one pass, on every core
-        if has_zeros:  # set a coin flip's bit at each exact zero
-            _set_coin_flips(packed, np.flatnonzero(host == 0), generator)
+        packed, zeros = _pack_positive_cpu(host)  # one pass, on every core
+        if zeros is not None:  # set a coin flip's bit at each exact zero
+            _set_coin_flips(packed, _exact_zeros(host) if zeros is True else zeros, generator)
         return torch.from_numpy(packed)
     bits = v > 0
     zeros = v == 0
@@ -158,9 +160,22 @@ def pack_signs(v: torch.Tensor, generator: torch.Generator | None = None) -> tor
 
 
 def _set_coin_flips(packed: np.ndarray, where: np.ndarray, generator: torch.Generator | None) -> None:
-    """Set a fair coin flip's bit at each (ascending) position ``where`` of the 0 bits in ``packed``."""
-    coin = torch.randint(0, 2, (where.size,), generator=generator, dtype=torch.uint8).numpy()
-    np.bitwise_or.at(packed, where >> 3, (coin << (7 - (where & 7))).astype(np.uint8))
+    """Set a fair coin flip's bit at each (ascending) position ``where`` of the 0 bits in ``packed``.
+
+    The n coins are the bits of ⌈n/32⌉ uniform 32-bit draws from ``generator`` (LSB
+    first), in the order of ``where``: one draw per 32 coins, not one per coin (which cost
+    8.7 ns each). Few zeros are set one by one; from one zero in 32 values on (a sum of an
+    even number of local directions is 0 for about half the values) through a byte per value.
+    """
+    n = where.size
+    draws = torch.randint(0, 2**32, (-(-n // 32),), generator=generator, dtype=torch.int64).numpy()
+    coin = np.unpackbits(draws.astype(np.uint32).view(np.uint8), count=n, bitorder="little")
+    if 32 * n < 8 * packed.size:  # sparse: a read-modify-write per zero
+        np.bitwise_or.at(packed, where >> 3, coin << (7 - (where & 7)).astype(np.uint8))
+    else:  # dense: the coins in place, packed like the signs
+        spread = np.zeros(8 * packed.size, dtype=np.uint8)
+        spread[where] = coin
+        packed |= np.packbits(spread)
 
 
 def pack_local_step_(
@@ -188,11 +203,7 @@ def pack_local_step_(
     if fusable and m.is_cuda and m.device == g.device and (gpu := _gpu_kernels()) is not None:
         cuda_coefs = tuple(map(float, coefs))
         if _fused_step_matches_torch(functools.partial(_lion_pack_cuda, gpu, cuda_coefs), beta1, beta2, m.device):
-            packed, zeros, flag = gpu.lion_pack(m.view(-1), g.reshape(-1).contiguous(), cuda_coefs)
-            if flag.read() and bool(zeros.any()):  # zero directions: pack_signs's coins on this device, at those bits
-                coin = torch.randint(0, 2, (d,), generator=generator, device=m.device, dtype=torch.uint8)
-                packed |= zeros & pack_bits(coin.bool())
-            return packed
+            return gpu.lion_pack(m.view(-1), g.reshape(-1).contiguous(), cuda_coefs, generator)  # pack_signs's coins
     kernels = _kernels(d) if fusable and m.is_cpu and g.is_cpu else None
     if kernels is None or not _fused_step_matches_torch(
         functools.partial(_lion_pack_cpu, kernels, coefs), beta1, beta2, m.device
@@ -227,8 +238,8 @@ def _lion_pack_cpu(
 
 
 def _lion_pack_cuda(gpu: ModuleType, coefs: tuple[float, ...], m: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """The Triton kernel's fused step (for the probe): δ > 0 packed, ``m`` updated."""
-    return gpu.lion_pack(m, g, coefs)[0]
+    """The Triton kernel's fused step (for the probe, which has no zero direction): δ packed, ``m`` updated."""
+    return gpu.lion_pack(m, g, coefs, torch.Generator(device=m.device))  # not the device's default generator
 
 
 _FUSED_EXACT: dict[tuple[str, float, float], bool] = {}  # (device type, β₁, β₂) → the fused step equals torch's
@@ -426,38 +437,56 @@ def _on_threads(work: Callable[[int, int], _T], total: int, grain: int) -> list[
     return [first, *(f.result() for f in others)]
 
 
-_CHUNK = 1 << 16  # values per numpy chunk (a multiple of 8: chunks start on byte boundaries)
+_CHUNK = 1 << 18  # values per numpy chunk (a multiple of 8: chunks start on byte boundaries)
+_CHUNKS_PER_THREAD = 4  # below 2·4 chunks (2²¹ values) one thread: waking another costs more than it saves
 
 
-def _pack_positive_cpu(v: np.ndarray) -> tuple[np.ndarray, bool]:
-    """Bits of ``v > 0`` packed, and whether ``v`` has exact zeros; block by block, on torch's CPU threads.
+def _exact_zeros(v: np.ndarray) -> np.ndarray:
+    """The ascending positions of ``v``'s exact zeros (+0 and −0), chunk by chunk on torch's CPU threads."""
 
-    With the kernels each value is read once and packed in registers; without, numpy
-    compares and packs a 256 kB chunk while it is in cache (its loops release the GIL).
+    def work(first: int, last: int) -> list[np.ndarray]:
+        found = []
+        for s in range(first * _CHUNK, min(last * _CHUNK, v.size), _CHUNK):
+            c = v[s : s + _CHUNK]
+            if (c == 0).any():  # the positions only where there are some
+                found.append(np.flatnonzero(c == 0) + s)
+        return found
+
+    found = [z for part in _on_threads(work, -(-v.size // _CHUNK), _CHUNKS_PER_THREAD) for z in part]
+    return np.concatenate(found) if found else np.empty(0, dtype=np.int64)
+
+
+def _pack_positive_cpu(v: np.ndarray) -> tuple[np.ndarray, np.ndarray | bool | None]:
+    """Bits of ``v > 0`` packed, and ``v``'s exact zeros; block by block, on torch's CPU threads.
+
+    With the kernels each value is read once and packed in registers, and the zeros are
+    only known to exist (True); without, numpy compares and packs a 1 MB chunk at a time
+    (its loops release the GIL) and returns the zeros' positions, found in the chunks
+    that hold one. None: no exact zero. The chunks are large because each numpy call
+    costs microseconds and, on several threads, a turn of the GIL: 64 k-value chunks made
+    the pack 2–3× slower than these.
     """
     d = v.size
     out = np.empty(packed_size(d), dtype=np.uint8)
     kernels = _kernels(d)
     if kernels is not None:
         if (team := _team(kernels, "pack", d)) is not None:  # on torch's threads, awake after its operations
-            return out, team[0].pack_positive(v, out, team[1])
+            return out, team[0].pack_positive(v, out, team[1]) or None
         groups, grain = -(-d // kernels.BLOCK), (1 << 20) // kernels.BLOCK  # waking a thread costs tens of µs
-        return out, any(_on_threads(lambda a, b: kernels.pack_positive(v, out, a, b), groups, grain))
+        return out, any(_on_threads(lambda a, b: kernels.pack_positive(v, out, a, b), groups, grain)) or None
 
-    def work(first: int, last: int) -> bool:
-        bits, other = np.empty(_CHUNK, dtype=np.bool_), np.empty(_CHUNK, dtype=np.bool_)
-        zeros = False
+    def work(first: int, last: int) -> list[np.ndarray]:
+        bits, zeros = np.empty(min(_CHUNK, d), dtype=np.bool_), []
         for s in range(first * _CHUNK, min(last * _CHUNK, d), _CHUNK):
             c = v[s : s + _CHUNK]
-            b, o = bits[: c.size], other[: c.size]
-            np.greater(c, 0, out=b)  # the sign bit: 1 for v > 0
+            b = np.greater(c, 0, out=bits[: c.size])  # the sign bit: 1 for v > 0
             out[s // 8 : s // 8 + (c.size + 7) // 8] = np.packbits(b, bitorder="big")
-            if not zeros:  # v ≠ 0 ⇔ v > 0 or v < 0 (two compares in cache beat a count over floats)
-                np.less(c, 0, out=o)
-                zeros = not np.logical_or(b, o, out=o).all()
+            if (c == 0).any():  # exact zeros (+0 and −0) get coin flips: where, while the chunk is in cache
+                zeros.append(np.flatnonzero(c == 0) + s)
         return zeros
 
-    return out, any(_on_threads(work, -(-d // _CHUNK), 1))
+    zeros = [z for part in _on_threads(work, -(-d // _CHUNK), _CHUNKS_PER_THREAD) for z in part]
+    return out, np.concatenate(zeros) if zeros else None
 
 
 def unpack_signs(packed: torch.Tensor | bytes | np.ndarray, d: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

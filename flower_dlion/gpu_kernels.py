@@ -4,12 +4,14 @@ The pack reads the Lion direction once and writes its packed signs: each program
 loads ``8·BYTES`` consecutive float32 values as a ``(BYTES, 8)`` tile, compares them with
 zero and folds each row of 8 bits into one byte (MSB first, the layout of
 :func:`numpy.packbits`), so the ``⌈d/8⌉`` bytes leave in one pass instead of the dozen
-passes and launches of the tensor-operation path. A flag records whether any exact
-zero was seen (the codec then sends coin flips for those): one per device, raised to the
-call's own epoch, so no launch zeroes it first (:class:`Flag`). The client's whole
-step (:func:`lion_pack`) does the same from m and g, writing the new momentum as it goes
-and the packed mask of zero directions beside the signs. :func:`apply_levels` applies a
-broadcast Δ from its levels with torch's own L steps ``lr·Δ``, one read of x.
+passes and launches of the tensor-operation path. An exact zero has no 1-bit sign: the
+kernel sets a fair coin flip's bit there, drawn in the kernel from Philox at a counter
+that the generator hands out on the host (:func:`coin_stream`), so a pack is one launch
+that nothing waits for and nothing reads back. The client's whole step
+(:func:`lion_pack`) does the same from m and g, writing the new momentum as it goes.
+:func:`apply_levels` applies a broadcast Δ from its levels with torch's own L steps
+``lr·Δ``, one read of x, and raises a flag for a level out of range: one per device,
+raised to the call's own epoch, so no launch zeroes it first (:class:`Flag`).
 
 The vote count reads the n payloads through a table of their addresses (no stacking
 copy). For the vote's masks and the mean's planes every 32-bit lane of a program is a
@@ -66,8 +68,50 @@ def _new_flag(device: torch.device) -> Flag:
     return Flag(tensor, next(_EPOCHS))
 
 
-@triton.jit(do_not_specialize=["epoch"])
-def _pack_positive(v_ptr, out_ptr, zero_ptr, epoch, d, nbytes, BYTES: tl.constexpr):
+_INT64 = 1 << 62  # set in every seed and counter passed to a kernel: Triton then types them int64 on every call
+
+
+def coin_stream(generator: torch.Generator | None, device: torch.device, nbytes: int) -> tuple[int, int]:
+    """The Philox key and first counter of one call's coin flips, taken from ``generator`` with no device work.
+
+    Byte ``b`` of the call's output draws the 8 coins of its values from Philox4x32-10
+    (Triton's ``tl.randint``) at counter ``counter + b``: the low 8 bits of the first word,
+    MSB first like the signs. A CUDA generator (``None`` on a CUDA device: the device's
+    default one) gives its seed and Philox offset, and the offset is advanced past the
+    call's ⌈nbytes/4⌉·4 counters: nothing is launched or read back, a seeded generator
+    gives the same coins every run, and its later draws differ from these. Any other
+    generator (a CPU one, under Triton's interpreter) draws the key instead, with counters from 0.
+
+    Parameters
+    ----------
+    generator : torch.Generator | None
+        Where the coins come from; ``None``: the default generator of ``device``.
+    device : torch.device
+        The device of the values.
+    nbytes : int
+        Packed bytes of the call (one counter each).
+
+    Returns
+    -------
+    tuple[int, int]
+        ``(seed, counter)``, each with bit 62 set (Triton types them int64; Philox takes them as they are).
+
+    """
+    if generator is None and device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        generator = torch.cuda.default_generators[index]
+    elif generator is None:
+        generator = torch.default_generator
+    if generator.device.type == "cuda":
+        seed, offset = generator.initial_seed(), generator.get_offset()
+        generator.set_offset(offset + -(-nbytes // 4) * 4)  # torch's Philox offsets are multiples of 4
+    else:
+        seed, offset = int(torch.randint(0, _INT64, (1,), generator=generator)), 0
+    return seed & (_INT64 - 1) | _INT64, offset | _INT64
+
+
+@triton.jit(do_not_specialize=["seed", "counter"])
+def _pack_positive(v_ptr, out_ptr, seed, counter, d, nbytes, BYTES: tl.constexpr):
     byte = tl.program_id(0).to(tl.int64) * BYTES + tl.arange(0, BYTES)  # this program's output bytes
     bit = tl.arange(0, 8)  # bit j of a byte holds value 8·byte + j, MSB first
     idx = byte[:, None] * 8 + bit[None, :]  # (BYTES, 8) value indices
@@ -75,25 +119,27 @@ def _pack_positive(v_ptr, out_ptr, zero_ptr, epoch, d, nbytes, BYTES: tl.constex
     v = tl.load(v_ptr + idx, mask=inside, other=-1.0)  # one read of v
     weight = (128 >> bit).to(tl.int32)  # 128, 64, …, 1
     packed = tl.sum((v > 0).to(tl.int32) * weight[None, :], axis=1)  # 8 signs → 1 byte
+    zero = ((v == 0) & inside).to(tl.int32)  # exact zeros (+0 and −0)
+    if tl.sum(zero) > 0:  # rare: a fair coin flip's bit at each exact zero
+        coins = (tl.randint(seed, counter + byte) & 255).to(tl.int32)  # 8 coins per byte from Philox
+        packed = packed | (tl.sum(zero * weight[None, :], axis=1) & coins)
     tl.store(out_ptr + byte, packed.to(tl.uint8), mask=byte < nbytes)
-    zeros = tl.sum(((v == 0) & inside).to(tl.int32))  # exact zeros (+0 and −0) in this tile
-    if zeros > 0:
-        tl.atomic_max(zero_ptr, epoch)
 
 
-def pack_positive(v: torch.Tensor) -> tuple[torch.Tensor, Flag]:
-    """Bits of ``v > 0`` packed into ⌈d/8⌉ bytes, and a :class:`Flag` raised if ``v`` has an exact zero.
+def pack_positive(v: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """The signs of ``v`` packed into ⌈d/8⌉ bytes: bit 1 for v > 0, a fair coin flip for v = ±0, else 0.
 
     Parameters
     ----------
     v : torch.Tensor
         Contiguous 1-D float32 tensor (on a CUDA device; any device under ``TRITON_INTERPRET=1``).
+    generator : torch.Generator | None (default: None)
+        Where the coins come from (:func:`coin_stream`); ``None``: ``v``'s device's default one.
 
     Returns
     -------
-    tuple[torch.Tensor, Flag]
-        The packed uint8 bytes on ``v``'s device and the zero flag; nothing is
-        synchronized (read the flag when the bytes are needed anyway).
+    torch.Tensor
+        The packed uint8 bytes on ``v``'s device; nothing is synchronized.
 
     """
     if v.dtype != torch.float32 or v.dim() != 1 or not v.is_contiguous():
@@ -101,14 +147,14 @@ def pack_positive(v: torch.Tensor) -> tuple[torch.Tensor, Flag]:
     d = v.numel()
     nbytes = (d + 7) // 8
     out = torch.empty(nbytes, dtype=torch.uint8, device=v.device)
-    flag = _new_flag(v.device)
     if d:
-        _pack_positive[(-(-nbytes // BYTES),)](v, out, flag.tensor, flag.epoch, d, nbytes, BYTES=BYTES)
-    return out, flag
+        seed, counter = coin_stream(generator, v.device, nbytes)
+        _pack_positive[(-(-nbytes // BYTES),)](v, out, seed, counter, d, nbytes, BYTES=BYTES)
+    return out
 
 
-@triton.jit(do_not_specialize=["epoch"])
-def _lion_pack(m_ptr, g_ptr, out_ptr, zero_ptr, flag_ptr, epoch, d, nbytes, b1, a1, b2, a2, BYTES: tl.constexpr):
+@triton.jit(do_not_specialize=["seed", "counter"])
+def _lion_pack(m_ptr, g_ptr, out_ptr, seed, counter, d, nbytes, b1, a1, b2, a2, BYTES: tl.constexpr):
     byte = tl.program_id(0).to(tl.int64) * BYTES + tl.arange(0, BYTES)  # this program's output bytes
     bit = tl.arange(0, 8)  # bit j of a byte holds value 8·byte + j, MSB first
     idx = byte[:, None] * 8 + bit[None, :]  # (BYTES, 8) value indices
@@ -119,21 +165,23 @@ def _lion_pack(m_ptr, g_ptr, out_ptr, zero_ptr, flag_ptr, epoch, d, nbytes, b1, 
     tl.store(m_ptr + idx, tl.fma(g, a2, m * b2), mask=inside)  # m ← β₂·m + (1−β₂)·g, from the old m
     weight = (128 >> bit).to(tl.int32)  # 128, 64, …, 1
     packed = tl.sum((mix > 0).to(tl.int32) * weight[None, :], axis=1)  # δ = +1 → bit 1
-    zero = ((mix == 0) | (mix != mix)) & inside  # sign(mix) = 0: mix = ±0 or NaN (torch.sign gives 0)
+    zero = (((mix == 0) | (mix != mix)) & inside).to(tl.int32)  # δ = sign(mix) = 0: mix = ±0 or NaN
+    if tl.sum(zero) > 0:  # rare: pack_positive's coin flips at the zero directions
+        coins = (tl.randint(seed, counter + byte) & 255).to(tl.int32)  # 8 coins per byte from Philox
+        packed = packed | (tl.sum(zero * weight[None, :], axis=1) & coins)
     tl.store(out_ptr + byte, packed.to(tl.uint8), mask=byte < nbytes)
-    tl.store(zero_ptr + byte, tl.sum(zero.to(tl.int32) * weight[None, :], axis=1).to(tl.uint8), mask=byte < nbytes)
-    if tl.sum(zero.to(tl.int32)) > 0:
-        tl.atomic_max(flag_ptr, epoch)
 
 
 def lion_pack(
-    m: torch.Tensor, g: torch.Tensor, coefs: tuple[float, float, float, float]
-) -> tuple[torch.Tensor, torch.Tensor, Flag]:
+    m: torch.Tensor, g: torch.Tensor, coefs: tuple[float, float, float, float], generator: torch.Generator | None = None
+) -> torch.Tensor:
     """One Lion step fused with the pack: one read of ``m`` and ``g``, ``m`` written in place.
 
     Computes ``c = β₁·m + (1−β₁)·g`` as ``fma(1−β₁, g, fl(β₁·m))`` (how torch's
-    ``m.mul(β₁).add_(g, alpha=1−β₁)`` rounds where its add is one FMA), packs the bits of
-    ``c > 0`` like :func:`pack_positive`, and sets ``m ← fma(1−β₂, g, fl(β₂·m))``.
+    ``m.mul(β₁).add_(g, alpha=1−β₁)`` rounds where its add is one FMA), packs the signs
+    ``δ = sign(c)`` like :func:`pack_positive` (a zero direction, c = ±0 or NaN, as the
+    coin flip :func:`pack_positive` would draw for δ = 0 from the same generator), and sets
+    ``m ← fma(1−β₂, g, fl(β₂·m))``.
 
     Parameters
     ----------
@@ -143,13 +191,13 @@ def lion_pack(
         updated in place.
     coefs : tuple of float
         ``(β₁, 1−β₁, β₂, 1−β₂)``, each exactly a float32 value.
+    generator : torch.Generator | None (default: None)
+        Where the coins come from (:func:`coin_stream`); ``None``: ``m``'s device's default one.
 
     Returns
     -------
-    tuple[torch.Tensor, torch.Tensor, Flag]
-        The ⌈d/8⌉ packed bytes of δ > 0 and the ⌈d/8⌉ packed bytes of "δ = 0" (c = ±0 or
-        NaN), on ``m``'s device, and a :class:`Flag` raised if there is such a zero
-        direction; nothing is synchronized.
+    torch.Tensor
+        The ⌈d/8⌉ packed bytes of δ on ``m``'s device; nothing is synchronized.
 
     """
     for name, t in (("m", m), ("g", g)):
@@ -160,12 +208,11 @@ def lion_pack(
     d = m.numel()
     nbytes = (d + 7) // 8
     out = torch.empty(nbytes, dtype=torch.uint8, device=m.device)
-    zero = torch.empty(nbytes, dtype=torch.uint8, device=m.device)
-    flag = _new_flag(m.device)
     if d:
+        seed, counter = coin_stream(generator, m.device, nbytes)
         grid = (-(-nbytes // STEP_BYTES),)
-        _lion_pack[grid](m, g, out, zero, flag.tensor, flag.epoch, d, nbytes, *coefs, BYTES=STEP_BYTES)
-    return out, zero, flag
+        _lion_pack[grid](m, g, out, seed, counter, d, nbytes, *coefs, BYTES=STEP_BYTES)
+    return out
 
 
 STEP_BYTES = 512  # packed bytes per program of the fused step: 4,096 values, 32 kB read
