@@ -135,8 +135,8 @@ def pack_signs(v: torch.Tensor, generator: torch.Generator | None = None) -> tor
     such parameter the same way each round, so each zero is sent as a fair coin flip
     drawn from ``generator`` (unbiased; seed it for reproducible runs). On the CPU the
     signs are compared and packed on torch's threads in one read of ``v``: 64 at a time by
-    the fused kernel where available, else a cache-sized chunk at a time by numpy; the
-    coins come from ``torch.randint`` over the zeros alone. On a CUDA device one Triton
+    the fused kernel where available, else 256 k values at a time by numpy; the
+    coins are the bits of ``torch.randint`` draws, 32 zeros per draw. On a CUDA device one Triton
     kernel reads ``v`` once and draws the coins itself, from Philox at a counter the
     generator hands out without device work (:func:`flower_dlion.gpu_kernels.coin_stream`):
     nothing is synchronized. Elsewhere it is tensor operations on ``v``'s device
@@ -163,9 +163,10 @@ def _set_coin_flips(packed: np.ndarray, where: np.ndarray, generator: torch.Gene
     """Set a fair coin flip's bit at each (ascending) position ``where`` of the 0 bits in ``packed``.
 
     The n coins are the bits of ⌈n/32⌉ uniform 32-bit draws from ``generator`` (LSB
-    first), in the order of ``where``: one draw per 32 coins, not one per coin (which cost
-    8.7 ns each). Few zeros are set one by one; from one zero in 32 values on (a sum of an
-    even number of local directions is 0 for about half the values) through a byte per value.
+    first), in the order of ``where``: one draw per 32 coins, not one per coin
+    (``benchmarks/zero_pack.py``). Few zeros are set one by one; from one zero in 32
+    values on (a sum of an even number of local directions is 0 for about half the
+    values) through a byte per value.
     """
     n = where.size
     draws = torch.randint(0, 2**32, (-(-n // 32),), generator=generator, dtype=torch.int64).numpy()
