@@ -149,7 +149,7 @@ def pack_signs(v: torch.Tensor, generator: torch.Generator | None = None) -> tor
         host = v.contiguous().numpy()
         packed, zeros = _pack_positive_cpu(host)  # one pass, on every core
         if zeros is not None:  # set a coin flip's bit at each exact zero
-            _set_coin_flips(packed, _exact_zeros(host) if zeros is True else zeros, generator)
+            _set_coin_flips(packed, zeros, generator)
         return torch.from_numpy(packed)
     bits = v > 0
     zeros = v == 0
@@ -442,52 +442,52 @@ _CHUNK = 1 << 18  # values per numpy chunk (a multiple of 8: chunks start on byt
 _CHUNKS_PER_THREAD = 4  # below 2·4 chunks (2²¹ values) one thread: waking another costs more than it saves
 
 
-def _exact_zeros(v: np.ndarray) -> np.ndarray:
-    """The ascending positions of ``v``'s exact zeros (+0 and −0), chunk by chunk on torch's CPU threads."""
+def _zeros_in(c: np.ndarray, start: int, found: list[np.ndarray]) -> None:
+    """Append the positions (offset by ``start``) of the chunk ``c``'s exact zeros (+0 and −0) to ``found``, if any."""
+    zero = c == 0
+    if zero.any():
+        found.append(np.flatnonzero(zero) + start)
 
-    def work(first: int, last: int) -> list[np.ndarray]:
-        found = []
+
+def _chunk_parts(v: np.ndarray, work: Callable[[np.ndarray, int, list[np.ndarray]], None]) -> np.ndarray | None:
+    """``work(chunk, start, found)`` on every chunk of ``v`` on torch's CPU threads; the positions found, or None."""
+
+    def part(first: int, last: int) -> list[np.ndarray]:
+        found: list[np.ndarray] = []
         for s in range(first * _CHUNK, min(last * _CHUNK, v.size), _CHUNK):
-            c = v[s : s + _CHUNK]
-            if (c == 0).any():  # the positions only where there are some
-                found.append(np.flatnonzero(c == 0) + s)
+            work(v[s : s + _CHUNK], s, found)
         return found
 
-    found = [z for part in _on_threads(work, -(-v.size // _CHUNK), _CHUNKS_PER_THREAD) for z in part]
-    return np.concatenate(found) if found else np.empty(0, dtype=np.int64)
+    found = [z for p in _on_threads(part, -(-v.size // _CHUNK), _CHUNKS_PER_THREAD) for z in p]
+    return np.concatenate(found) if found else None
 
 
-def _pack_positive_cpu(v: np.ndarray) -> tuple[np.ndarray, np.ndarray | bool | None]:
-    """Bits of ``v > 0`` packed, and ``v``'s exact zeros; block by block, on torch's CPU threads.
+def _pack_positive_cpu(v: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """Bits of ``v > 0`` packed, and the ascending positions of ``v``'s exact zeros (None: none).
 
-    With the kernels each value is read once and packed in registers, and the zeros are
-    only known to exist (True); without, numpy compares and packs a 1 MB chunk at a time
-    (its loops release the GIL) and returns the zeros' positions, found in the chunks
-    that hold one. None: no exact zero. The chunks are large because each numpy call
-    costs microseconds and, on several threads, a turn of the GIL: 64 k-value chunks made
-    the pack 2–3× slower than these.
+    With the kernels each value is read once and packed in registers on torch's CPU
+    threads, and the kernel only reports that a zero exists: the chunks are then searched
+    for it. Without, numpy compares and packs a 1 MB chunk at a time (its loops release
+    the GIL) and finds the zeros in that chunk while it is in cache. The chunks are large
+    because each numpy call costs microseconds and, on several threads, a turn of the GIL:
+    64 k-value chunks made the pack 2–3× slower than these.
     """
     d = v.size
     out = np.empty(packed_size(d), dtype=np.uint8)
     kernels = _kernels(d)
     if kernels is not None:
         if (team := _team(kernels, "pack", d)) is not None:  # on torch's threads, awake after its operations
-            return out, team[0].pack_positive(v, out, team[1]) or None
-        groups, grain = -(-d // kernels.BLOCK), (1 << 20) // kernels.BLOCK  # waking a thread costs tens of µs
-        return out, any(_on_threads(lambda a, b: kernels.pack_positive(v, out, a, b), groups, grain)) or None
+            has_zeros = team[0].pack_positive(v, out, team[1])
+        else:
+            groups, grain = -(-d // kernels.BLOCK), (1 << 20) // kernels.BLOCK  # waking a thread costs tens of µs
+            has_zeros = any(_on_threads(lambda a, b: kernels.pack_positive(v, out, a, b), groups, grain))
+        return out, _chunk_parts(v, _zeros_in) if has_zeros else None
 
-    def work(first: int, last: int) -> list[np.ndarray]:
-        bits, zeros = np.empty(min(_CHUNK, d), dtype=np.bool_), []
-        for s in range(first * _CHUNK, min(last * _CHUNK, d), _CHUNK):
-            c = v[s : s + _CHUNK]
-            b = np.greater(c, 0, out=bits[: c.size])  # the sign bit: 1 for v > 0
-            out[s // 8 : s // 8 + (c.size + 7) // 8] = np.packbits(b, bitorder="big")
-            if (c == 0).any():  # exact zeros (+0 and −0) get coin flips: where, while the chunk is in cache
-                zeros.append(np.flatnonzero(c == 0) + s)
-        return zeros
+    def pack(c: np.ndarray, s: int, found: list[np.ndarray]) -> None:
+        out[s // 8 : s // 8 + (c.size + 7) // 8] = np.packbits(c > 0, bitorder="big")  # the sign bit: 1 for v > 0
+        _zeros_in(c, s, found)  # exact zeros get coin flips: found while the chunk is in cache
 
-    zeros = [z for part in _on_threads(work, -(-d // _CHUNK), _CHUNKS_PER_THREAD) for z in part]
-    return out, np.concatenate(zeros) if zeros else None
+    return out, _chunk_parts(v, pack)
 
 
 def unpack_signs(packed: torch.Tensor | bytes | np.ndarray, d: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
