@@ -6,7 +6,7 @@ with ``local-steps = K`` the client sends the sign of U = Σₖ δₖ, and for e
 C(K, K/2)/2ᴷ of its values are 0 (K = 2: half). Rows: the same d values with no zero, with
 one, and as a sum of K = 2 or K = 4 random ±1 directions. Columns: ``v.sum()``, the codec's
 pack, and the pack with its coins drawn and set the earlier way (one ``torch.randint(0, 2)``
-draw per zero and one ``np.bitwise_or.at`` per zero, as the codec did up to this change),
+draw per zero and one ``np.bitwise_or.at`` per zero, as the codec did before 9aabce2),
 measured in the same run. Usage::
 
     python benchmarks/zero_pack.py [--sizes 281034,1e6,1e7] [--kernels auto|on|off]

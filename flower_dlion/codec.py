@@ -135,8 +135,9 @@ def pack_signs(v: torch.Tensor, generator: torch.Generator | None = None) -> tor
     such parameter the same way each round, so each zero is sent as a fair coin flip
     drawn from ``generator`` (unbiased; seed it for reproducible runs). On the CPU the
     signs are compared and packed on torch's threads in one read of ``v``: 64 at a time by
-    the fused kernel where available, else 256 k values at a time by numpy; the
-    coins are the bits of ``torch.randint`` draws, 32 zeros per draw. On a CUDA device one Triton
+    the fused kernel where available, else 256 k values at a time by numpy; each group of
+    64 values that holds a zero takes one random 64-bit word for its coins
+    (:func:`_set_coin_flips`). On a CUDA device one Triton
     kernel reads ``v`` once and draws the coins itself, from Philox at a counter the
     generator hands out without device work (:func:`flower_dlion.gpu_kernels.coin_stream`):
     nothing is synchronized. Elsewhere it is tensor operations on ``v``'s device
@@ -159,24 +160,33 @@ def pack_signs(v: torch.Tensor, generator: torch.Generator | None = None) -> tor
     return pack_bits(bits)
 
 
-def _set_coin_flips(packed: np.ndarray, where: np.ndarray, generator: torch.Generator | None) -> None:
-    """Set a fair coin flip's bit at each (ascending) position ``where`` of the 0 bits in ``packed``.
+_MASKS = np.dtype("<u8")  # zero masks, a word per 64 values: viewed as bytes, laid out as the packed bits
 
-    The n coins are the bits of ⌈n/32⌉ uniform 32-bit draws from ``generator`` (LSB
-    first), in the order of ``where``: one draw per 32 coins, not one per coin
-    (``benchmarks/zero_pack.py``). Few zeros are set one by one; from one zero in 32
-    values on (a sum of an even number of local directions is 0 for about half the
-    values) through a byte per value.
+
+def _zero_masks(d: int) -> np.ndarray:
+    """⌈d/64⌉ mask words for a kernel to write whole (not zeroed: a memset would be one more pass)."""
+    return np.empty(-(-d // 64), dtype=_MASKS)
+
+
+def _set_coin_flips(packed: np.ndarray, zeros: np.ndarray, generator: torch.Generator | None) -> None:
+    """Set a fair coin flip's bit in ``packed`` wherever ``zeros`` has one (``packed`` has a 0 bit there).
+
+    ``zeros`` holds the masks of the exact zeros in the packed layout, a word per 64 values
+    (:data:`_MASKS`: its bytes are ``np.packbits(v == 0)``). The j-th group of 64 values with
+    a zero takes the j-th uniform 64-bit word that ``generator`` draws (``random_(-2**63)``,
+    every bit pattern equally likely), and its zeros take that word's bits at their own
+    positions: the word's little-endian bytes are the group's 8 bytes of coins. So a lone zero
+    costs one draw, and a vector that is half zeros (a sum of two local directions) d/64 draws
+    and a few passes over d/8 bytes (``benchmarks/zero_pack.py``).
     """
-    n = where.size
-    draws = torch.randint(0, 2**32, (-(-n // 32),), generator=generator, dtype=torch.int64).numpy()
-    coin = np.unpackbits(draws.astype(np.uint32).view(np.uint8), count=n, bitorder="little")
-    if 32 * n < 8 * packed.size:  # sparse: a read-modify-write per zero
-        np.bitwise_or.at(packed, where >> 3, coin << (7 - (where & 7)).astype(np.uint8))
-    else:  # dense: the coins in place, packed like the signs
-        spread = np.zeros(8 * packed.size, dtype=np.uint8)
-        spread[where] = coin
-        packed |= np.packbits(spread)
+    k = np.flatnonzero(zeros)
+    words = torch.empty(k.size, dtype=torch.int64).random_(-(2**63), None, generator=generator)
+    coins = zeros[k] & words.numpy().view(np.uint64)
+    whole = packed.size // 8
+    full = k < whole  # all but a partial last group
+    packed[: 8 * whole].view(_MASKS)[k[full]] |= coins[full]
+    if k.size and not full[-1]:  # the partial last group's bytes
+        packed[8 * whole :] |= coins[-1:].astype(_MASKS).view(np.uint8)[: packed.size - 8 * whole]
 
 
 def pack_local_step_(
@@ -211,15 +221,13 @@ def pack_local_step_(
     ):
         return pack_signs(local_step_(m, g, beta1, beta2), generator)
     mh, gh = m.numpy().reshape(-1), g.contiguous().numpy().reshape(-1)  # views (torch's reshape costs µs)
-    packed, zeros = np.empty(packed_size(d), dtype=np.uint8), np.zeros(-(-d // 64), dtype=np.uint64)
+    packed, zeros = np.empty(packed_size(d), dtype=np.uint8), _zero_masks(d)
     if (team := _team(kernels, "lion_pack", d)) is not None:
         found = [team[0].lion_pack(mh, gh, coefs, packed, zeros, team[1])]
     else:
         found = _on_threads(lambda a, b: kernels.lion_pack(mh, gh, coefs, packed, zeros, a, b), zeros.size, 1 << 13)
-    if any(found):  # zero directions: coin flips, in the order pack_signs draws them
-        k = np.flatnonzero(zeros)
-        row, bit = np.nonzero(np.unpackbits(zeros[k].view(np.uint8), bitorder="little").reshape(-1, 64))
-        _set_coin_flips(packed, 64 * k[row] + bit, generator)
+    if any(found):  # zero directions: coin flips, drawn as pack_signs draws them
+        _set_coin_flips(packed, zeros, generator)
     return torch.from_numpy(packed)
 
 
@@ -233,7 +241,7 @@ def _lion_pack_cpu(
     kernels: ModuleType, coefs: tuple[np.float32, ...], m: torch.Tensor, g: torch.Tensor
 ) -> torch.Tensor:
     """The CPU kernel's fused step on one thread (for the probe): δ > 0 packed, ``m`` updated."""
-    packed, zeros = np.empty(packed_size(m.numel()), np.uint8), np.zeros(-(-m.numel() // 64), np.uint64)
+    packed, zeros = np.empty(packed_size(m.numel()), np.uint8), _zero_masks(m.numel())
     kernels.lion_pack(m.numpy(), g.numpy(), coefs, packed, zeros, 0, zeros.size)
     return torch.from_numpy(packed)
 
@@ -442,52 +450,53 @@ _CHUNK = 1 << 18  # values per numpy chunk (a multiple of 8: chunks start on byt
 _CHUNKS_PER_THREAD = 4  # below 2·4 chunks (2²¹ values) one thread: waking another costs more than it saves
 
 
-def _zeros_in(c: np.ndarray, start: int, found: list[np.ndarray]) -> None:
-    """Append the positions (offset by ``start``) of the chunk ``c``'s exact zeros (+0 and −0) to ``found``, if any."""
-    zero = c == 0
-    if zero.any():
-        found.append(np.flatnonzero(zero) + start)
-
-
-def _chunk_parts(v: np.ndarray, work: Callable[[np.ndarray, int, list[np.ndarray]], None]) -> np.ndarray | None:
-    """``work(chunk, start, found)`` on every chunk of ``v`` on torch's CPU threads; the positions found, or None."""
-
-    def part(first: int, last: int) -> list[np.ndarray]:
-        found: list[np.ndarray] = []
-        for s in range(first * _CHUNK, min(last * _CHUNK, v.size), _CHUNK):
-            work(v[s : s + _CHUNK], s, found)
-        return found
-
-    found = [z for p in _on_threads(part, -(-v.size // _CHUNK), _CHUNKS_PER_THREAD) for z in p]
-    return np.concatenate(found) if found else None
-
-
 def _pack_positive_cpu(v: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-    """Bits of ``v > 0`` packed, and the ascending positions of ``v``'s exact zeros (None: none).
+    """Bits of ``v > 0`` packed, and the masks of ``v``'s exact zeros by group of 64 (None: no zero).
 
     With the kernels each value is read once and packed in registers on torch's CPU
-    threads, and the kernel only reports that a zero exists: the chunks are then searched
-    for it. Without, numpy compares and packs a 1 MB chunk at a time (its loops release
-    the GIL) and finds the zeros in that chunk while it is in cache. The chunks are large
-    because each numpy call costs microseconds and, on several threads, a turn of the GIL:
-    64 k-value chunks made the pack 2–3× slower than these.
+    threads; the kernel only reports whether there is a zero, and the masks take a second,
+    compare-only pass when there is (writing them in the pack slowed the pack without
+    zeros, docs/PERFORMANCE.md). Without, numpy compares and packs a 1 MB chunk at a time
+    (its loops release the GIL) and packs the chunk's zeros, if any, while it is in cache;
+    the masks are only made when there are some. The chunks are large because each numpy
+    call costs microseconds and, on several threads, a turn of the GIL: 64 k-value chunks
+    made the pack 2–3× slower than these.
     """
     d = v.size
     out = np.empty(packed_size(d), dtype=np.uint8)
     kernels = _kernels(d)
     if kernels is not None:
+        groups, grain = -(-d // kernels.BLOCK), (1 << 20) // kernels.BLOCK  # waking a thread costs tens of µs
         if (team := _team(kernels, "pack", d)) is not None:  # on torch's threads, awake after its operations
-            has_zeros = team[0].pack_positive(v, out, team[1])
+            found = team[0].pack_positive(v, out, team[1])
         else:
-            groups, grain = -(-d // kernels.BLOCK), (1 << 20) // kernels.BLOCK  # waking a thread costs tens of µs
-            has_zeros = any(_on_threads(lambda a, b: kernels.pack_positive(v, out, a, b), groups, grain))
-        return out, _chunk_parts(v, _zeros_in) if has_zeros else None
+            found = any(_on_threads(lambda a, b: kernels.pack_positive(v, out, a, b), groups, grain))
+        if not found:
+            return out, None
+        zeros = _zero_masks(d)  # the second pass on the same threads (the team's spin a while after a run)
+        if team is not None:
+            team[0].zero_masks(v, zeros, team[1])
+        else:
+            _on_threads(lambda a, b: kernels.zero_masks(v, zeros, a, b), groups, grain)
+        return out, zeros
+    found: list[tuple[int, np.ndarray]] = []  # (first byte, the chunk's zeros packed)
 
-    def pack(c: np.ndarray, s: int, found: list[np.ndarray]) -> None:
-        out[s // 8 : s // 8 + (c.size + 7) // 8] = np.packbits(c > 0, bitorder="big")  # the sign bit: 1 for v > 0
-        _zeros_in(c, s, found)  # exact zeros get coin flips: found while the chunk is in cache
+    def pack(first: int, last: int) -> None:  # chunks first … last−1
+        for s in range(first * _CHUNK, min(last * _CHUNK, d), _CHUNK):
+            c = v[s : s + _CHUNK]
+            out[s // 8 : s // 8 + (c.size + 7) // 8] = np.packbits(c > 0, bitorder="big")  # the sign bit: 1 for v > 0
+            zero = c == 0  # exact zeros (+0 and −0) get coin flips: packed while the chunk is in cache
+            if zero.any():
+                found.append((s // 8, np.packbits(zero, bitorder="big")))  # list.append is atomic
 
-    return out, _chunk_parts(v, pack)
+    _on_threads(pack, -(-d // _CHUNK), _CHUNKS_PER_THREAD)
+    if not found:
+        return out, None
+    zeros = np.zeros(-(-d // 64), dtype=_MASKS)
+    zero_bytes = zeros.view(np.uint8)
+    for start, b in found:
+        zero_bytes[start : start + b.size] = b
+    return out, zeros
 
 
 def unpack_signs(packed: torch.Tensor | bytes | np.ndarray, d: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

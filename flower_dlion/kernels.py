@@ -18,7 +18,9 @@ word) is read from memory once and everything else happens in registers or cache
   AVX2 and no AVX-512 the sign bits go through AVX2's byte packs, one byte shuffle, one
   dword permute and ``pmovmskb`` (no compare; a group holding ±0 or NaN, found by eight
   unordered compares, is compared exactly instead); elsewhere one 64-lane compare straight
-  into a 64-bit mask (AVX-512 mask registers) and a bit reversal in each byte.
+  into a 64-bit mask (AVX-512 mask registers) and a bit reversal in each byte. Where the pack
+  finds an exact zero, a second, compare-only pass writes the zeros' masks in the same layout
+  (the codec sets coin flips there).
 - Lion step + pack (the client): m and g as two 64-lane vectors, the mix and the new momentum
   by vector FMAs (rounded as torch's ``add(alpha=)`` is; the codec checks that first), m
   stored back, the mix's signs packed as above.
@@ -67,6 +69,7 @@ __all__ = [
     "scratch",
     "trits_to_levels",
     "vote_masks",
+    "zero_masks",
 ]
 
 BLOCK = 64  # float32 values packed per group: one 64-lane compare, one uint64 of bits
@@ -214,6 +217,25 @@ def _signs64(typingctx: object, v: types.Array, start: types.Integer) -> tuple:
     return sig, codegen
 
 
+@intrinsic
+def _zero_mask64(typingctx: object, v: types.Array, start: types.Integer) -> tuple:
+    """The mask of ``v[start : start+64] == 0`` (±0; NaN is not zero) as a uint64 in packbits order.
+
+    One ordered 64-lane compare (:func:`zero_masks`), its bits placed as :func:`_msb_first` does.
+    """
+    if not (isinstance(v, types.Array) and v.dtype == types.float32 and v.layout == "C"):
+        return None
+    sig = types.uint64(v, start)
+
+    def codegen(context: object, builder: ir.IRBuilder, signature: object, args: tuple) -> object:
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        lanes = ir.VectorType(ir.FloatType(), 64)
+        x = builder.load(builder.bitcast(builder.gep(data, [args[1]]), lanes.as_pointer()), align=4)
+        return _msb_first(builder, builder.fcmp_ordered("==", x, ir.Constant(lanes, None)))
+
+    return sig, codegen
+
+
 @_jit
 def pack_positive(v: np.ndarray, out: np.ndarray, first: int, last: int) -> bool:
     """Pack ``v > 0`` for the groups ``first … last−1`` of :data:`BLOCK` (64) values into ``out``.
@@ -239,6 +261,26 @@ def pack_positive(v: np.ndarray, out: np.ndarray, first: int, last: int) -> bool
     return zero != 0
 
 
+@_jit
+def zero_masks(v: np.ndarray, zeros: np.ndarray, first: int, last: int) -> None:
+    """Group k's mask of exact zeros (±0; NaN is not zero) into ``zeros[k]``, for the groups ``first … last−1``.
+
+    In packbits order, as :func:`pack_positive` packs the signs: ``zeros`` viewed as bytes is
+    ``np.packbits(v == 0)`` (0 where a group has none; every word of the range is written).
+    ``v`` is C-contiguous float32 of length d, ``zeros`` uint64 of length ⌈d/64⌉. One compare
+    per 64 values: the second pass over ``v`` once :func:`pack_positive` has found a zero.
+    """
+    d = v.size
+    whole = d // BLOCK
+    for k in range(first, min(last, whole)):
+        zeros[k] = _zero_mask64(v, BLOCK * k)
+    if last > whole:  # the partial last group
+        mask = zeros[whole : whole + 1].view(np.uint8)  # little-endian: byte j holds values 8j … 8j+7, MSB first
+        mask[:] = 0
+        for i in range(BLOCK * whole, d):
+            mask[(i >> 3) - 8 * whole] |= np.uint8(v[i] == 0) << np.uint8(7 - (i & 7))
+
+
 # ------------------------------------------------------------------ Lion step + pack
 def _splat(builder: ir.IRBuilder, x: ir.Value, lanes: ir.VectorType) -> ir.Value:
     """A vector with ``x`` in every lane."""
@@ -255,14 +297,14 @@ def _lion64(typingctx: object, m: types.Array, g: types.Array, start: types.Inte
     alpha=1−β₁)`` does with FMA: ``c = fma(1−β₁, g, fl(β₁·m))`` and ``m ← fma(1−β₂, g,
     fl(β₂·m))``, 64 lanes at a time. Returns ``c > 0`` (ordered) in packbits order
     (:func:`_pack64`), and the mask of ``sign(c) = 0`` — ``c = 0`` or NaN (unordered
-    compare), as ``torch.sign`` gives 0 for NaN — with value i at bit i.
+    compare), as ``torch.sign`` gives 0 for NaN — in packbits order too.
     """
     if not all(isinstance(a, types.Array) and a.dtype == types.float32 and a.layout == "C" for a in (m, g)):
         return None
     sig = types.UniTuple(types.uint64, 2)(m, g, start, coefs)
 
     def codegen(context: object, builder: ir.IRBuilder, signature: object, args: tuple) -> object:
-        lanes, word = ir.VectorType(ir.FloatType(), 64), ir.IntType(64)
+        lanes = ir.VectorType(ir.FloatType(), 64)
         b1, a1, b2, a2 = (_splat(builder, builder.extract_value(args[3], i), lanes) for i in range(4))
         ptrs = []
         for a, typ in zip(args[:2], signature.args[:2], strict=True):
@@ -274,7 +316,7 @@ def _lion64(typingctx: object, m: types.Array, g: types.Array, start: types.Inte
         builder.store(builder.call(fma, [a2, gv, builder.fmul(b2, mv)]), ptrs[0], align=4)  # m ← β₂·m + (1−β₂)·g
 
         def ties() -> ir.Value:
-            return builder.bitcast(builder.fcmp_unordered("==", mix, ir.Constant(lanes, None)), word)
+            return _msb_first(builder, builder.fcmp_unordered("==", mix, ir.Constant(lanes, None)))
 
         return context.make_tuple(builder, signature.return_type, _pack64(builder, mix, ties))
 
@@ -296,8 +338,8 @@ def lion_pack(
     Writes the bits of ``δ = sign(β₁·m + (1−β₁)·g) > 0`` into ``out`` (uint8, ⌈d/8⌉, as
     :func:`pack_positive`), updates ``m ← β₂·m + (1−β₂)·g`` in place (``m`` and ``g``
     C-contiguous float32 of length d, read once), and stores group k's mask of zero
-    directions in ``zeros[k]`` (value i at bit i; uint64, ⌈d/64⌉, left alone where there
-    are none). ``coefs = (β₁, 1−β₁, β₂, 1−β₂)``. The partial last group goes through a
+    directions in ``zeros[k]`` (in packbits order, as the bits; 0 where there are none;
+    uint64, ⌈d/64⌉). ``coefs = (β₁, 1−β₁, β₂, 1−β₂)``. The partial last group goes through a
     zero-padded copy. Returns whether these groups hold a zero direction.
     """
     d = m.size
@@ -307,21 +349,22 @@ def lion_pack(
     for k in range(first, min(last, whole)):
         bits, tie = _lion64(m, g, BLOCK * k, coefs)
         words[k] = bits
-        if tie:
-            zeros[k] = tie
-            found |= tie
+        zeros[k] = tie
+        found |= tie
     if last > whole:  # the partial last group: the same step on a zero-padded copy
         rest = d - BLOCK * whole
         pm, pg = np.zeros(BLOCK, np.float32), np.zeros(BLOCK, np.float32)
         pm[:rest], pg[:rest] = m[BLOCK * whole :], g[BLOCK * whole :]
         bits, tie = _lion64(pm, pg, 0, coefs)
         m[BLOCK * whole :] = pm[:rest]
-        tie &= (np.uint64(1) << np.uint64(rest)) - np.uint64(1)  # the padding's mix is 0: no direction
+        real = np.uint64(0)  # the padding's mix is 0, but it is no direction: only the first rest lanes count
+        for lane in range(rest):
+            real |= np.uint64(1) << np.uint64(8 * (lane >> 3) + 7 - (lane & 7))
+        tie &= real
         for j in range(out.size - 8 * whole):  # little-endian: byte j of the word
             out[8 * whole + j] = np.uint8((bits >> np.uint64(8 * j)) & np.uint64(0xFF))
-        if tie:
-            zeros[whole] = tie
-            found |= tie
+        zeros[whole] = tie
+        found |= tie
     return found != 0
 
 
@@ -853,17 +896,17 @@ def _pack_task(pack: object = None) -> object:
     cache, pack = pack is None, pack_positive if pack is None else pack
 
     @numba.cfunc(_TASK, cache=cache)
-    def task(args: object) -> None:  # int64 [next, parts, groups, v, d, out, found]
-        a = numba.carray(args, 7, np.int64)
+    def task(args: object) -> None:  # int64 [next, parts, groups, v, d, out, masks, found]
+        a = numba.carray(args, 8, np.int64)
         parts, groups, d = a[1], a[2], a[4]
-        v, out, found = (
-            numba.carray(_f32_at(a[3]), d),
-            numba.carray(_u8_at(a[5]), (d + 7) // 8),
-            numba.carray(_u8_at(a[6]), parts),
-        )
+        v, found = numba.carray(_f32_at(a[3]), d), numba.carray(_u8_at(a[7]), parts)
         p = _take(args, 0)
         while p < parts:
-            found[p] = pack(v, out, groups * p // parts, groups * (p + 1) // parts)
+            first, last = groups * p // parts, groups * (p + 1) // parts
+            if a[6]:  # the second pass: the zeros' masks into out (uint64, one per group)
+                zero_masks(v, numba.carray(_u64_at(a[5]), groups), first, last)
+            else:
+                found[p] = pack(v, numba.carray(_u8_at(a[5]), (d + 7) // 8), first, last)
             p = _take(args, 0)
 
     return task
@@ -963,14 +1006,19 @@ _PARTS_PER_THREAD = 4  # a thread that wakes late leaves its parts to the others
 
 
 @_jit
-def _launch_pack(parallel: int, task: int, threads: int, v: np.ndarray, out: np.ndarray) -> bool:
-    """:func:`pack_positive` of every group of ``v`` into ``out`` on the team; whether there is an exact zero."""
+def _launch_pack(
+    parallel: int, task: int, threads: int, v: np.ndarray, out: np.ndarray, masks: bool = False
+) -> bool:  # fmt: skip
+    """:func:`pack_positive` of every group of ``v`` into ``out`` on the team; whether there is an exact zero.
+
+    With ``masks``, :func:`zero_masks` into ``out`` (uint64, one per group) instead; returns False.
+    """
     parts = threads * _PARTS_PER_THREAD
-    a = np.zeros(7 + (parts + 7) // 8, dtype=np.int64)  # the arguments, then a byte per part: found
-    a[1], a[2], a[3] = parts, (v.size + BLOCK - 1) // BLOCK, v.ctypes.data
-    a[4], a[5], a[6] = v.size, out.ctypes.data, a.ctypes.data + 7 * 8
+    a = np.zeros(8 + (parts + 7) // 8, dtype=np.int64)  # the arguments, then a byte per part: found
+    a[1], a[2], a[3], a[4] = parts, (v.size + BLOCK - 1) // BLOCK, v.ctypes.data, v.size
+    a[5], a[6], a[7] = out.ctypes.data, masks, a.ctypes.data + 8 * 8
     _gomp_parallel(parallel, task, a.ctypes.data, threads)
-    return a[7:].view(np.uint8)[:parts].any()
+    return a[8:].view(np.uint8)[:parts].any()
 
 
 @_jit
@@ -1045,6 +1093,10 @@ class Team:
     def pack_positive(self, v: np.ndarray, out: np.ndarray, threads: int) -> bool:
         """:func:`pack_positive` of every group on ``threads`` threads; whether ``v`` has an exact zero."""
         return self.run(_launch_pack, _pack_task(), threads, v, out)
+
+    def zero_masks(self, v: np.ndarray, zeros: np.ndarray, threads: int) -> None:
+        """:func:`zero_masks` of every group on ``threads`` threads (after :meth:`pack_positive` found a zero)."""
+        self.run(_launch_pack, _pack_task(), threads, v, zeros, True)
 
     def lion_pack(
         self, m: np.ndarray, g: np.ndarray, coefs: tuple, out: np.ndarray, zeros: np.ndarray, threads: int

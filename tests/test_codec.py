@@ -95,23 +95,57 @@ def test_zeros_are_coin_flips_not_one_side(mode: str, monkeypatch: pytest.Monkey
     assert codec.unpack_signs(codec.pack_signs(nonzero), 4).tolist() == [-1.0, 1.0, -1.0, 1.0]
 
 
+def _expected_cpu_pack(v: torch.Tensor, seed: int) -> np.ndarray:
+    """The CPU pack by hand: the bits of v > 0, and the zeros' coins from a generator seeded with ``seed``.
+
+    The j-th group of 64 values that holds a zero (ascending) takes the j-th uniform 64-bit word w drawn;
+    the zero at value 64k + i takes the bit of w's little-endian bytes where the pack puts value i: bit
+    7 − i mod 8 of byte ⌊i/8⌋, that is bit 8·⌊i/8⌋ + 7 − i mod 8 of w.
+    """
+    where = np.flatnonzero(v.numpy() == 0)
+    groups = np.unique(where // 64).tolist()
+    gen = torch.Generator().manual_seed(seed)
+    drawn = torch.empty(len(groups), dtype=torch.int64).random_(-(2**63), None, generator=gen).tolist()
+    word = {k: w % 2**64 for k, w in zip(groups, drawn, strict=True)}
+    bits = (v > 0).numpy()
+    bits[where] = [(word[i // 64] >> (8 * (i % 64 // 8) + 7 - i % 8)) & 1 for i in where.tolist()]
+    return np.packbits(bits)
+
+
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("every", [2, 3, 31, 32, 1000])  # dense (zeros at ≥ 1/32 of the values) and sparse
-def test_zeros_take_the_bits_of_32_bit_draws_in_order(mode: str, every: int) -> None:
-    # Prepare: 10,007 alternating signs with an exact zero at every `every`-th value; the reference coins by
-    # hand: zero number k (ascending) takes bit k mod 32 of the (k // 32)-th uniform 32-bit draw
+@pytest.mark.parametrize("every", [2, 3, 31, 64, 1000, 5003])  # dense and sparse; 5003: 0 and 10,006 only
+def test_zeros_take_their_bits_of_their_groups_64_bit_word(mode: str, every: int) -> None:
+    # Prepare: 10,007 alternating signs (a partial last group of 23) with an exact zero at every `every`-th
+    # value, and −0 last (in the partial group)
     d = 10_007
     v = torch.where(torch.arange(d) % 2 == 0, 1.5, -1.5)
     v[::every] = 0.0
-    where = np.flatnonzero(v.numpy() == 0)
-    draws = torch.randint(0, 2**32, (-(-where.size // 32),), generator=torch.Generator().manual_seed(5)).tolist()
-    bits = (v > 0).numpy()
-    bits[where] = [(draws[k // 32] >> (k % 32)) & 1 for k in range(where.size)]
+    v[d - 1] = -0.0
     # Execute
     with kernels(mode):
         packed = codec.pack_signs(v, torch.Generator().manual_seed(5))
     # Assert
-    assert np.array_equal(packed.numpy(), np.packbits(bits))
+    assert np.array_equal(packed.numpy(), _expected_cpu_pack(v, 5))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_zero_masks_from_every_thread_and_chunk(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Prepare: 3·2²⁰ + 13 values on two threads (several numpy chunks; kernel parts on the team from the
+    # fourth call on), zeros scattered over all of them, half of one 64-value group and its neighbours zero
+    monkeypatch.setenv(codec.KERNELS_ENV, mode)
+    torch.set_num_threads(2)
+    gen = torch.Generator().manual_seed(3)
+    d = 3 * 2**20 + 13
+    v = torch.randn(d, generator=gen)
+    v[torch.randint(0, d, (500,), generator=gen)] = 0.0
+    v[2**20 - 40 : 2**20 + 90 : 2] = -0.0
+    v[d - 5 :] = 0.0
+    expected = _expected_cpu_pack(v, 9)
+    for _ in range(5):
+        # Execute
+        packed = codec.pack_signs(v, torch.Generator().manual_seed(9))
+        # Assert: every call, on whichever threads, the same bytes as by hand
+        assert np.array_equal(packed.numpy(), expected)
 
 
 def test_unpack_rejects_wrong_length() -> None:
@@ -398,26 +432,34 @@ def test_both_pack_formulations_equal_numpy_and_the_composition(avx2: bool, monk
     v = np.random.default_rng(0).standard_normal(d).astype(np.float32)
     v[:64] = np.where(np.arange(64) % 9 == 0, 2.0, -0.5)  # > 0 at 0, 9, 18, …, 63
     v[at] = specials
-    out = np.zeros(codec.packed_size(d), np.uint8)
+    v[d - 3] = -0.0  # and one in the partial group
+    out, zeros = np.zeros(codec.packed_size(d), np.uint8), np.full(-(-d // 64), 2**64 - 1, np.uint64)  # garbage
     # Execute
-    has_zero = pack(v, out, 0, -(-d // 64))
-    # Assert: group 0 byte by byte; all of it numpy's packbits; exact zeros reported (NaN is no zero)
+    has_zero = pack(v, out, 0, zeros.size)
+    real.zero_masks(v, zeros, 0, zeros.size)
+    # Assert: group 0 byte by byte; all of it numpy's packbits; the masks of exact zeros (NaN is no zero)
+    # packed the same way, every word written (0 where no zero)
     assert out[:8].tolist() == [0b1000_0000, 0b0100_0000, 0b0010_0000, 0b0001_0000,
                                 0b0000_1000, 0b0000_0100, 0b0000_0010, 0b0000_0001]  # fmt: skip
     assert np.array_equal(out, np.packbits(v > 0)) and has_zero
+    expected_masks = np.zeros(64 * zeros.size, np.uint8)
+    expected_masks[:d] = v == 0
+    assert np.array_equal(zeros.view(np.uint8), np.packbits(expected_masks))
+    assert np.count_nonzero(zeros) == 2 * 64 + 1
     v[v == 0] = 1.0
-    assert not pack(v, out, 0, -(-d // 64)) and np.array_equal(out, np.packbits(v > 0))
+    real.zero_masks(v, zeros, 0, zeros.size)
+    assert not pack(v, out, 0, zeros.size) and np.array_equal(out, np.packbits(v > 0)) and not zeros.any()
 
     # Prepare: the fused step with the same special values in the mix (m = 0 there; 0.1·1e-45 is 0)
     m, g = (np.random.default_rng(seed).standard_normal(d).astype(np.float32) for seed in (1, 2))
     m[at], g[at] = 0.0, specials
     m_ref = torch.from_numpy(m.copy())
     mix = lion.local_step_(m_ref, torch.from_numpy(g), 0.9, 0.99).numpy()
-    out, zeros = np.zeros(codec.packed_size(d), np.uint8), np.zeros(-(-d // 64), np.uint64)
+    out, zeros = np.zeros(codec.packed_size(d), np.uint8), np.full(-(-d // 64), 2**64 - 1, np.uint64)
     # Execute
     found = lion_pack(m, g, codec._lion_coefs(0.9, 0.99), out, zeros, 0, zeros.size)
-    # Assert: δ's bits, the zero directions (mix 0 or NaN; value i at bit i), the momentum
-    tie = np.unpackbits(zeros.view(np.uint8), bitorder="little")[:d].astype(bool)
+    # Assert: δ's bits, the zero directions (mix 0 or NaN; packed as the bits are), the momentum
+    tie = np.unpackbits(zeros.view(np.uint8))[:d].astype(bool)
     assert np.array_equal(out, np.packbits(mix > 0))
     assert np.array_equal(tie, (mix == 0) | np.isnan(mix)) and found and tie.sum() > 5 * 64
     assert _same_floats(torch.from_numpy(m), m_ref)
@@ -612,8 +654,9 @@ def test_kernels_on_torchs_team_equal_the_composition(d: int, zeros: int, team: 
     step = codec.pack_local_step_(m, g, 0.9, 0.99, torch.Generator().manual_seed(5))
     codec.apply_levels_(x, levels, 11, 0.01, 0.1)
     codec.apply_levels_(x8, levels.to(torch.uint8), 11, 0.01, 0.1)
-    # Assert: four runs on two threads; the same bytes (coins included) and floats bit for bit
-    assert team == [2, 2, 2, 2]
+    # Assert: four runs on two threads (five with zeros: their masks are a second run); the same bytes
+    # (coins included) and floats bit for bit
+    assert team == [2] * (5 if zeros else 4)
     assert torch.equal(packed, expected_pack)
     assert torch.equal(step, expected_step) and _same_floats(m, m_ref)
     assert _same_floats(x, expected_x) and _same_floats(x8, expected_x)
