@@ -148,7 +148,7 @@ def pack_signs(v: torch.Tensor, generator: torch.Generator | None = None) -> tor
         return gpu.pack_positive(v.contiguous(), generator)
     if v.is_cpu and v.dtype == torch.float32:
         host = v.contiguous().numpy()
-        packed, zeros = _pack_positive_cpu(host)  # one pass, on every core
+        packed, zeros = _pack_positive_cpu(host)  # one pass on torch's threads (a second for the zeros, if any)
         if zeros is not None:  # set a coin flip's bit at each exact zero
             _set_coin_flips(packed, zeros, generator)
         return torch.from_numpy(packed)
