@@ -19,6 +19,10 @@
    against the composition it replaces and against ``x.mul_(c)`` alone (``--apply``); and a
    client's whole receive path, decoding the broadcast bytes and applying Δ, with the levels
    decoded as int32 and as uint8 (what the client does).
+5. CUDA only: the GPU's own time per call of the pack, the fused step and the sum, with the
+   launches queued behind a sleep kernel (``gpu_time``). Sections 1–4 time one call from the
+   host (synchronize, call, synchronize): at 10⁶–10⁷ values that is the launch and its Python,
+   not the kernel; this section times the kernels back to back, as the memory sees them.
 
 On the CPU "kernel" means ``FLOWER_DLION_KERNELS=on`` (numba's fused kernels at every size;
 the codec's default ``auto`` uses them from 2²⁰ values up) and "numpy" means ``off``. On a
@@ -99,6 +103,88 @@ def timeit(fn: Callable[..., object], args: tuple, repeat: int, device: torch.de
     return statistics.median(times)
 
 
+def pack_inputs(d: int, gen: torch.Generator, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Momentum m, gradient g and a Lion mix v of d values (v scaled by a random factor in [0.5, 1.5): no zeros)."""
+    m = torch.randn(d, generator=gen, device=device)
+    g = torch.randn(d, generator=gen, device=device)
+    return m, g, lion.direction(m, g, 0.9).mul_(torch.rand(d, generator=gen, device=device).add_(0.5))
+
+
+@functools.cache
+def sleep_cycles_per_ms() -> float:
+    """Clock cycles of ``torch.cuda._sleep`` per millisecond on the current device."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10**7)
+    end.record()
+    end.synchronize()
+    return 10**7 / start.elapsed_time(end)
+
+
+def gpu_time(fn: Callable[..., object], args: tuple, calls: int, repeat: int) -> float | None:
+    """Median GPU seconds per call of ``fn(*args)``, over ``repeat`` batches of ``calls`` calls.
+
+    The GPU first runs a sleep kernel that outlasts twice the host's time for a batch (its
+    launches and its kernels, timed just before), so the host queues the whole batch before
+    the GPU starts it, and CUDA events around the batch time its kernels back to back, without
+    the host's cost per launch. Returns None if the sleep ended before the batch was queued
+    (the start event had already run: a call that synchronizes, or a host slower than it was).
+    """
+    fn(*args)
+    torch.cuda.synchronize()
+    times: list[float] = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn(*args)
+        torch.cuda.synchronize()
+        host_ms = (time.perf_counter() - t0) * 1e3
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(int(2 * host_ms * sleep_cycles_per_ms()) + 1)
+        start.record()
+        for _ in range(calls):
+            fn(*args)
+        end.record()
+        queued = not start.query()  # the GPU is still asleep: every launch of the batch is in the queue
+        end.synchronize()
+        if not queued:
+            return None
+        times.append(start.elapsed_time(end) / 1e3 / calls)
+    return statistics.median(times)
+
+
+def _ms(t: float | None) -> str:
+    """A time in ms for a table cell (a dash where there is none)."""
+    return "–" if t is None else f"{t * 1e3:.4f} ms"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    """``a / b`` for a table cell (a dash where either is missing)."""
+    return "–" if a is None or b is None else f"**{a / b:.2f}×**"
+
+
+def bench_gpu_time(sizes: list[int], device: torch.device, repeat: int, calls: int = 200) -> None:
+    print("\n## 5. On the GPU itself: kernel time per call, launches queued behind a sleep kernel (CUDA only)\n")
+    print(
+        "| d | v.sum() | pack, kernel | ratio | Lion step + pack, fused | ratio | momentum update alone | fused / it |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    gen = torch.Generator(device=device).manual_seed(0)
+    for d in sizes:
+        m, g, v = pack_inputs(d, gen, device)  # as in section 1
+        with kernels("on"):
+            t_sum = gpu_time(torch.sum, (v,), calls, repeat)
+            t_pack = gpu_time(codec.pack_signs, (v,), calls, repeat)
+            t_fused = gpu_time(fused_step, (m, g), calls, repeat)
+            t_momentum = gpu_time(lion.update_momentum_, (m, g, 0.99), calls, repeat)
+        print(
+            f"| {d:.0e} | {_ms(t_sum)} | {_ms(t_pack)} | {_ratio(t_pack, t_sum)} | {_ms(t_fused)} "
+            f"| {_ratio(t_fused, t_sum)} | {_ms(t_momentum)} | {_ratio(t_fused, t_momentum)} |",
+            flush=True,
+        )
+        del m, g, v
+
+
 def naive_counts(payloads: list[torch.Tensor], d: int) -> torch.Tensor:
     """The naive form: unpack every payload to one byte per value and add it to a counter."""
     counts = torch.zeros(d, dtype=torch.int16, device=payloads[0].device)
@@ -136,9 +222,7 @@ def bench_pack(sizes: list[int], device: torch.device, repeat: int) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     gen = torch.Generator(device=device).manual_seed(0)
     for d in sizes:
-        m = torch.randn(d, generator=gen, device=device)
-        g = torch.randn(d, generator=gen, device=device)
-        v = lion.direction(m, g, 0.9).mul_(torch.rand(d, generator=gen, device=device).add_(0.5))  # a mix, no zeros
+        m, g, v = pack_inputs(d, gen, device)
         t_sum = timeit(torch.sum, (v,), repeat, device)
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
@@ -316,6 +400,8 @@ def main() -> None:
         bench_counts([int(float(s)) for s in args.count_sizes.split(",")], [10, 64], args.repeat)
     if args.apply:
         bench_apply([int(float(s)) for s in args.count_sizes.split(",")], device, args.repeat)
+    if device.type == "cuda" and not args.skip_pack:  # last: nothing above is lost if the GPU's sleep misbehaves
+        bench_gpu_time(sizes, device, args.repeat)
 
 
 if __name__ == "__main__":

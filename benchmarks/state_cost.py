@@ -5,7 +5,12 @@ our client keeps its replica x and momentum m there. For d = 10⁵ … 10⁷ thi
 round trip of the state — ``save_state`` → ``context_to_proto`` → bytes → parse →
 ``context_from_proto`` → ``load_state`` — with float32 and bfloat16 momentum, against a
 reference measured in the same run: copying the float32 state's bytes (``torch.clone``).
-Both dtypes are timed in alternation (median of ``--repeat``).
+It also times our part alone, ``save_state`` then ``load_state`` on the same context without
+serializing it, so that the rest is what Flower's serialization and parsing cost. A second
+table times the alternative, ``state-in-context = false``: the state in a file alone (written
+with ``torch.save`` to a temporary folder, so mostly to the page cache, and read back), plus
+the round trip of the context that is then left (no arrays). All of it is timed in
+alternation (median of ``--repeat``).
 
 Usage::
 
@@ -18,14 +23,16 @@ import argparse
 import os
 import platform
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 from flwr.app import Context, RecordDict
 from flwr.common.serde import context_from_proto, context_to_proto
 from flwr.proto.message_pb2 import Context as ProtoContext  # pylint: disable=no-name-in-module
 
-from flower_dlion.clients.dlion import ReplicaState, load_state, save_state
+from flower_dlion.clients.dlion import ReplicaState, _read_state_file, _write_state_file, load_state, save_state
 
 
 def round_trip(context: Context, state: ReplicaState, dtype: str, d: int) -> int:
@@ -39,6 +46,23 @@ def round_trip(context: Context, state: ReplicaState, dtype: str, d: int) -> int
     return len(data)
 
 
+def save_and_load(context: Context, state: ReplicaState, dtype: str, d: int) -> None:
+    """Our part of the round trip alone: store the state, load it from the same context (no serialization)."""
+    save_state(context, state, dtype)
+    assert load_state(context, d, torch.device("cpu")) is not None
+
+
+def in_files(folder: Path, context: Context, state: ReplicaState, dtype: str, d: int) -> int:
+    """A round with ``state-in-context = false``: write the state file, round-trip the context, read the file."""
+    state.round += 1
+    _write_state_file(folder, state, 0, dtype)
+    proto = ProtoContext()
+    proto.ParseFromString(context_to_proto(context).SerializeToString())
+    assert context_from_proto(proto).state.get("dlion.state") is None
+    assert _read_state_file(folder, state.round, d, torch.device("cpu")) is not None
+    return (folder / f"r{state.round}.pt").stat().st_size
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="1e5,1e6,1e7")
@@ -48,30 +72,54 @@ def main() -> None:
         f"# context.state cost: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads\n"
     )
-    print("| d | momentum | serialized state | round trip | copy of the fp32 state's bytes | ratio | state bytes |")
-    print("|---|---|---|---|---|---|---|")
+    context_rows, file_rows = [], []
     for d in (int(float(s)) for s in args.sizes.split(",")):
         states = {"float32": ReplicaState(torch.randn(d), torch.randn(d) * 1e-3, 7, None, 3)}
         states["bfloat16"] = ReplicaState(states["float32"].x, states["float32"].m.to(torch.bfloat16).float(), 7)
         contexts = {k: Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={}) for k in states}
+        bare = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
         sizes = {k: round_trip(contexts[k], states[k], k, d) for k in states}
-        times: dict[str, list[float]] = {k: [] for k in (*states, "copy")}
+        times: dict[str, list[float]] = {k: [] for k in (*states, *(f"{k} {w}" for k in states for w in "of"), "copy")}
         blob = torch.empty(sizes["float32"] // 4 + 1)
-        for _ in range(args.repeat):  # interleaved, so that both dtypes see the same machine state
-            for k in states:
+        with tempfile.TemporaryDirectory() as tmp:
+            file_sizes = {k: in_files(Path(tmp) / k, bare, states[k], k, d) for k in states}
+            for _ in range(args.repeat):  # interleaved, so that every variant sees the same machine state
+                for k in states:
+                    t0 = time.perf_counter()
+                    round_trip(contexts[k], states[k], k, d)
+                    t1 = time.perf_counter()
+                    save_and_load(contexts[k], states[k], k, d)
+                    t2 = time.perf_counter()
+                    in_files(Path(tmp) / k, bare, states[k], k, d)
+                    t3 = time.perf_counter()
+                    times[k].append(t1 - t0)
+                    times[f"{k} o"].append(t2 - t1)
+                    times[f"{k} f"].append(t3 - t2)
                 t0 = time.perf_counter()
-                round_trip(contexts[k], states[k], k, d)
-                times[k].append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            blob.clone()
-            times["copy"].append(time.perf_counter() - t0)
+                blob.clone()
+                times["copy"].append(time.perf_counter() - t0)
         t_copy = statistics.median(times["copy"])
         for k in states:
-            t = statistics.median(times[k])
-            print(
-                f"| {d:.0e} | {k} | {sizes[k] / 1e6:.2f} MB | {t * 1e3:.1f} ms | {t_copy * 1e3:.2f} ms "
+            t, t_ours, t_file = (statistics.median(times[key]) for key in (k, f"{k} o", f"{k} f"))
+            context_rows.append(
+                f"| {d:.0e} | {k} | {sizes[k] / 1e6:.2f} MB | {t * 1e3:.1f} ms | {t_ours * 1e3:.1f} ms "
+                f"| {max(t - t_ours, 0.0) / t:.0%} | {t_copy * 1e3:.2f} ms "
                 f"| {t / t_copy:.0f}× | {sizes[k] / d:.1f} B/parameter |"
             )
+            file_rows.append(
+                f"| {d:.0e} | {k} | {t * 1e3:.1f} ms | {t_file * 1e3:.1f} ms | **{t / t_file:.1f}×** "
+                f"| {file_sizes[k] / 1e6:.2f} MB |"
+            )
+    print(
+        "| d | momentum | serialized state | round trip | save + load alone | Flower's serde | "
+        "copy of the fp32 state's bytes | ratio | state bytes |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n".join(context_rows))
+    print("\n`state-in-context = false` (`client-state-dir` set): the state in a file alone, per message\n")
+    print("| d | momentum | in context: round trip | files only: write + read | context / files | file |")
+    print("|---|---|---|---|---|---|")
+    print("\n".join(file_rows))
 
 
 if __name__ == "__main__":

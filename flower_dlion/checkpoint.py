@@ -26,6 +26,7 @@ RESUMABLE_KEYS = (
     "eval-every",
     "round-timeout",
     "poll-interval",
+    "state-in-context",  # where the clients keep their state, not what it is: a resumed run reads the files anyway
 )
 
 

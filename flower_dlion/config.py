@@ -50,6 +50,7 @@ DEFAULTS: dict[str, Any] = {
     "checkpoint-every": 0,
     "resume": "",
     "client-state-dir": "",
+    "state-in-context": True,
     "momentum-dtype": "float32",
 }
 
@@ -69,6 +70,7 @@ DLION_STRATEGIES = ("dlion-vote", "dlion-mean", "signsgd-vote")
 # Keys that only the Distributed Lion family reads; their defaults turn them off.
 DLION_ONLY = (
     "client-state-dir",
+    "state-in-context",
     "momentum-dtype",
     "local-steps",
     "accumulate",
@@ -158,6 +160,10 @@ def read_config(run_config: Mapping[str, Any] | None) -> dict[str, Any]:
         changed = sorted(k for k in DLION_ONLY if cfg[k] != DEFAULTS[k])
         if changed:
             raise ValueError(f"run-config {changed} apply to {DLION_STRATEGIES} only, not to {cfg['strategy']!r}")
+    if not cfg["state-in-context"] and not cfg["client-state-dir"]:
+        raise ValueError(
+            "run-config 'state-in-context' = false keeps the clients' state in files only: set 'client-state-dir'"
+        )
     if cfg["upload"] == "ef-sign" and cfg["strategy"] == "dlion-mean" and cfg["broadcast-bits"] == 0:
         raise ValueError(
             "run-config upload='ef-sign' with the mean needs 'broadcast-bits' >= 1: "

@@ -21,7 +21,7 @@ from flower_dlion import codec
 from flower_dlion.checkpoint import check_resumable, load_checkpoint, save_checkpoint
 from flower_dlion.client_app import app as client_app
 from flower_dlion.clients.common import inject_failure
-from flower_dlion.clients.dlion import load_state, save_state
+from flower_dlion.clients.dlion import ReplicaState, _write_state_file, load_state, save_state
 from flower_dlion.clients.fedavg import _attack
 from flower_dlion.config import read_config
 from flower_dlion.local_grid import LocalGrid
@@ -262,6 +262,72 @@ def test_restarted_node_with_state_files_continues_exactly(tmp_path: Path) -> No
     assert torch.equal(strategies[0].x, strategies[1].x)
     twin, restarted = (load_state(g.context(n), D, CPU) for g, n in ((grids[0], 1001), (grids[1], 7001)))
     assert torch.equal(twin.m, restarted.m)
+
+
+def test_state_files_keep_the_checkpoints_round_and_the_newest_only(tmp_path: Path) -> None:
+    # Prepare: a partition's folder, and the rounds its client trains in with the server's keep-round
+    state = ReplicaState(torch.zeros(3), torch.zeros(3), 0)
+    kept = []
+    # Execute: rounds 1–3 before any checkpoint, a checkpoint after round 3, one after round 5,
+    # then a resume from round 5's checkpoint that trains round 6 again
+    for rnd, keep in ((1, 0), (2, 0), (3, 0), (4, 3), (5, 3), (6, 5), (7, 5), (6, 5)):
+        state.round = rnd
+        _write_state_file(tmp_path, state, keep)
+        kept.append(sorted(p.name for p in tmp_path.iterdir()))
+    # Assert: the file just written and the newest at or before the checkpoint, nothing else
+    assert kept == [
+        ["r1.pt"],
+        ["r2.pt"],
+        ["r3.pt"],
+        ["r3.pt", "r4.pt"],
+        ["r3.pt", "r5.pt"],
+        ["r5.pt", "r6.pt"],
+        ["r5.pt", "r7.pt"],
+        ["r5.pt", "r6.pt"],  # the dead future (round 7) is gone
+    ]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_state_in_files_only_trains_like_state_in_context_and_survives_a_restart(tmp_path: Path, dtype: str) -> None:
+    # Prepare: twin federations with state files; one keeps the state in them alone
+    cfg = {**RUN_CONFIG, "client-state-dir": str(tmp_path), "momentum-dtype": dtype}
+    grids = [LocalGrid(client_app, 3, run_config={**cfg, "state-in-context": ctx}) for ctx in (True, False)]
+    strategies = [DistributedLion(lr=LR, weight_decay=WD, state_key=f"run{i}") for i in range(2)]
+    for grid, strategy in zip(grids, strategies, strict=True):
+        run_rounds(strategy, grid, 2)
+    # Execute: partition 1's SuperNode restarts in the files-only federation
+    grids[1].restart_node(1001, 7001)
+    for grid, strategy in zip(grids, strategies, strict=True):
+        run_rounds(strategy, grid, 2, start=3)
+    # Assert: no model-sized state in the files-only contexts; the same model, the same momenta
+    assert all("dlion.state" not in grids[1].context(n).state for n in grids[1].node_ids)
+    assert all(
+        h["state-resets"] == 0 and h["full-syncs"] == (3 if h["round"] == 1 else 0) for h in strategies[1].history
+    )
+    assert torch.equal(strategies[0].x, strategies[1].x)
+    for pid, node in enumerate(grids[0].node_ids):
+        saved = [torch.load(tmp_path / f"run{i}" / f"partition-{pid}" / "r4.pt", weights_only=True) for i in (0, 1)]
+        assert saved[1]["m"].dtype == getattr(torch, dtype)  # bfloat16 momentum: 2 bytes per value on disk too
+        assert torch.equal(saved[0]["m"], saved[1]["m"]) and torch.equal(saved[0]["x"], saved[1]["x"])
+        assert torch.equal(load_state(grids[0].context(node), D, CPU).m, saved[1]["m"].float())
+    assert sorted(p.name for p in (tmp_path / "run1" / "partition-0").iterdir()) == ["r4.pt"]
+
+
+def test_state_in_files_only_without_a_state_key_is_rejected_and_loses_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Prepare: files only, but a strategy built without a state key (nowhere to keep the state)
+    cfg = {**RUN_CONFIG, "client-state-dir": str(tmp_path), "state-in-context": False}
+    grid = LocalGrid(client_app, 2, run_config=cfg)
+    strategy = DistributedLion(lr=LR, weight_decay=WD)
+    caplog.set_level(logging.WARNING, logger="flwr")
+    # Execute
+    run_rounds(strategy, grid, 1)
+    # Assert: every reply rejected with the node and the reason; no node trained or stored anything
+    for node in grid.node_ids:
+        assert f"node {node}: run-config state-in-context = false keeps the state in files only" in caplog.text
+    assert strategy.history[-1]["num-replies"] == 0 and strategy.version == 0
+    assert list(tmp_path.iterdir()) == [] and all(not grid.context(n).state for n in grid.node_ids)
 
 
 RESUME_CFG = {

@@ -18,7 +18,9 @@ One ``train`` message, in order:
    (and its momentum in a momentum-sync round);
 5. store x, m, e and the version back in ``context.state`` (and, with run config
    ``client-state-dir``, in a file per round, so that the node's state survives a restart
-   of its SuperNode and a resumed ServerApp finds it; see :func:`restore_state`).
+   of its SuperNode and a resumed ServerApp finds it; see :func:`restore_state`). With
+   ``state-in-context = false`` only in the file: Flower serializes the whole context with
+   every message, which costs far more than the file from 10⁶ parameters up.
 
 Faults for studies: with ``byzantine-fraction`` the first k partitions upload −U
 (``byzantine-mode = "flip"``) or K·(random signs) (``"random"``) instead of U.
@@ -152,18 +154,27 @@ def _saved_rounds(folder: Path) -> list[int]:
     return sorted(int(p.stem[1:]) for p in folder.glob("r*.pt") if p.stem[1:].isdigit())
 
 
-def _write_state_file(folder: Path, state: ReplicaState, keep_round: int) -> None:
-    """Write ``r<round>.pt`` atomically; delete files older than the newest one at or before ``keep_round``."""
+def _write_state_file(folder: Path, state: ReplicaState, keep_round: int, momentum_dtype: str = "float32") -> None:
+    """Write ``r<round>.pt`` atomically; keep besides it only the newest file at or before ``keep_round``.
+
+    ``keep_round`` is the server's latest checkpoint (0: none yet), the round a resumed
+    ServerApp starts from; the file just written is the one a restarted SuperNode starts
+    from. Every other file is deleted: older rounds, and rounds after this one (a resumed
+    run's dead future). With ``momentum_dtype="bfloat16"`` m is written in 2 bytes per value
+    (it holds bfloat16 values already, see :func:`train`).
+    """
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"r{state.round}.pt"
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    arrays = _state_arrays(state)
-    torch.save({"version": state.version, "round": state.round} | {k: v.cpu() for k, v in arrays.items()}, tmp)
+    arrays = {k: v.cpu() for k, v in _state_arrays(state).items()}
+    if momentum_dtype == "bfloat16":
+        arrays["m"] = arrays["m"].to(torch.bfloat16)
+    torch.save({"version": state.version, "round": state.round} | arrays, tmp)
     os.replace(tmp, path)  # readers see the old file or the new one, never half of one
     rounds = _saved_rounds(folder)
     kept = max((r for r in rounds if r <= keep_round), default=None)
     for r in rounds:
-        if r < (kept if kept is not None else 0) or r > state.round:  # older than needed, or a dead future
+        if r not in (kept, state.round):
             (folder / f"r{r}.pt").unlink(missing_ok=True)
 
 
@@ -175,7 +186,8 @@ def _read_state_file(folder: Path, as_of_round: int, d: int, device: torch.devic
     saved = torch.load(folder / f"r{rounds[-1]}.pt", map_location=device, weights_only=True)
     if saved["x"].shape != (d,) or saved["m"].shape != (d,):
         raise ClientStateError(f"state file {folder}/r{rounds[-1]}.pt has shape {tuple(saved['x'].shape)}, d={d}")
-    return ReplicaState(saved["x"], saved["m"], int(saved["version"]), saved.get("e"), int(saved["round"]))
+    m = saved["m"].float()  # stored as bfloat16 with momentum-dtype = "bfloat16"
+    return ReplicaState(saved["x"], m, int(saved["version"]), saved.get("e"), int(saved["round"]))
 
 
 def restore_state(
@@ -318,6 +330,12 @@ def train(msg: Message, context: Context) -> Message:
     """Handle one ``train`` message (see the module docstring for the steps)."""
     settings, device, model = setup(context)
     cfg = msg.content[CONFIG]
+    folder = _state_folder(settings, str(cfg.get("state-key", "")), partition_id(context)[0])
+    if folder is None and not settings["state-in-context"]:
+        raise ClientStateError(
+            f"node {context.node_id}: run-config state-in-context = false keeps the state in files only, "
+            "but the server sent no 'state-key' (a strategy built without state_key?): nothing trained, nothing lost"
+        )
     names_shapes = [(name, tuple(p.shape)) for name, p in model.named_parameters() if p.requires_grad]
     sizes = [int(np.prod(shape, dtype=np.int64)) for _, shape in names_shapes]
     d = sum(sizes)
@@ -393,7 +411,10 @@ def train(msg: Message, context: Context) -> Message:
     state.round = server_round
     if settings["momentum-dtype"] == "bfloat16":  # m rounded once per round, the same on every path
         state.m = state.m.to(torch.bfloat16).float()
-    x_host = save_state(context, state, settings["momentum-dtype"])  # 5. persist for the next round
+    if settings["state-in-context"]:  # 5. persist for the next round
+        x_host = save_state(context, state, settings["momentum-dtype"])
+    else:  # in the state file alone (below): Flower then carries no model-sized state with each message
+        x_host = state.x.detach().cpu().numpy()
     reply = RecordDict(
         {
             DELTA: ArrayRecord(arrays),
@@ -407,7 +428,6 @@ def train(msg: Message, context: Context) -> Message:
             ),
         }
     )
-    folder = _state_folder(settings, str(cfg.get("state-key", "")), pid)
     if folder is not None:
-        _write_state_file(folder, state, int(cfg.get("keep-round", 0)))
+        _write_state_file(folder, state, int(cfg.get("keep-round", 0)), settings["momentum-dtype"])
     return Message(content=reply, reply_to=msg)
