@@ -24,9 +24,9 @@ CLI = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", 
 
 @pytest.mark.skipif(shutil.which("flower-superlink", path=CLI) is None, reason="needs Flower's CLI tools")
 def test_three_supernodes_with_tls_and_auth_finish_and_bytes_match_the_superlinks(tmp_path: Path) -> None:
-    # Prepare
+    # Prepare: the clients keep their state in files alone (the default, in context.state, is the next test's)
     dep = Deployment(tmp_path / "work", nodes=3)
-    results = tmp_path / "results"
+    results, state = tmp_path / "results", tmp_path / "state"
     try:
         dep.start_superlink()
         for i in range(3):
@@ -34,7 +34,11 @@ def test_three_supernodes_with_tls_and_auth_finish_and_bytes_match_the_superlink
             dep.start_supernode(i)
         started = list(dep.procs.values())
         # Execute
-        record = dep.run(f"num-server-rounds=2 eval-every=1 holdout=2000 results-dir='{results}'", timeout=900)
+        record = dep.run(
+            f"num-server-rounds=2 eval-every=1 holdout=2000 results-dir='{results}' "
+            f"client-state-dir='{state}' state-in-context=false",
+            timeout=900,
+        )
     finally:
         dep.stop()
     # Assert: completed, above chance, and our byte metrics agree with the SuperLink's counters
@@ -45,6 +49,10 @@ def test_three_supernodes_with_tls_and_auth_finish_and_bytes_match_the_superlink
     traffic = record["network-traffic"]
     assert traffic["inbound-bytes"] == pytest.approx(summary["total_mb_up"] * 1e6, rel=0.05)
     assert traffic["outbound-bytes"] == pytest.approx(summary["total_mb_down"] * 1e6, rel=0.05)
+    # each SuperNode's ClientApp kept its state in its partition's file of the last round, and only there
+    assert sorted(str(p.relative_to(state)).split(os.sep, 1)[1] for p in state.rglob("*.pt")) == [
+        f"partition-{i}{os.sep}r2.pt" for i in range(3)
+    ]
 
 
 def _rows(results: Path) -> list[dict]:
