@@ -355,11 +355,14 @@ run_federation(LocalGrid(app, 4, run_config=cfg, reply_hook=hook), cfg)
 """
 
 
-def test_server_killed_mid_run_and_resumed_reaches_the_same_x(tmp_path: Path) -> None:
+@pytest.mark.parametrize("in_context", [True, False])
+def test_server_killed_mid_run_and_resumed_reaches_the_same_x(tmp_path: Path, in_context: bool) -> None:
     # Prepare: an uninterrupted run, and one killed (SIGKILL) in round 8 with a checkpoint after round 6
+    # (its clients' state in context.state and files, or in files alone)
     full = {**RESUME_CFG, "results-dir": str(tmp_path / "full"), "client-state-dir": str(tmp_path / "full-state")}
     reference = run_federation(LocalGrid(client_app, 4, run_config=full), full)
     killed = {**RESUME_CFG, "results-dir": str(tmp_path / "run"), "client-state-dir": str(tmp_path / "state")}
+    killed["state-in-context"] = in_context
     env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
     proc = subprocess.run([sys.executable, "-c", KILLED_RUN, json.dumps(killed)], env=env, capture_output=True)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
