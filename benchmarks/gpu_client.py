@@ -57,6 +57,8 @@ def federation_copies(clients: int, rounds: int, settings: dict) -> None:
     print(f"\n## 1. Copies between GPU and host per client message ({settings}), model d = {d:,}\n")
     with tempfile.TemporaryDirectory() as tmp:
         cfg = {"num-server-rounds": rounds, "eval-every": rounds, "results-dir": tmp, "device": "cuda"} | settings
+        if not cfg.get("state-in-context", True):  # the state in files alone: a folder for them
+            cfg["client-state-dir"] = f"{tmp}/state"
         grid = LocalGrid(client_app, clients, run_config=cfg)
         acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=acts) as prof:
@@ -136,7 +138,11 @@ def main() -> None:
         f"# GPU clients: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
         f"{platform.machine()}, {os.cpu_count()} CPUs, kernels {os.environ.get(codec.KERNELS_ENV, 'auto')}"
     )
-    for settings in ({"strategy": "dlion-vote"}, {"strategy": "dlion-vote", "momentum-dtype": "bfloat16"}):
+    for settings in (
+        {"strategy": "dlion-vote"},
+        {"strategy": "dlion-vote", "momentum-dtype": "bfloat16"},
+        {"strategy": "dlion-vote", "state-in-context": False},
+    ):
         federation_copies(args.clients, args.rounds, settings)
     delta_path([int(float(s)) for s in args.sizes.split(",")], args.repeat)
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -414,7 +414,9 @@ def train(msg: Message, context: Context) -> Message:
     if settings["state-in-context"]:  # 5. persist for the next round
         x_host = save_state(context, state, settings["momentum-dtype"])
     else:  # in the state file alone (below): Flower then carries no model-sized state with each message
-        x_host = state.x.detach().cpu().numpy()
+        error = None if state.error is None else state.error.detach().cpu()
+        state = replace(state, x=state.x.detach().cpu(), m=state.m.detach().cpu(), error=error)  # one copy each
+        x_host = state.x.numpy()
     reply = RecordDict(
         {
             DELTA: ArrayRecord(arrays),
