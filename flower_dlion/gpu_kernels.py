@@ -23,7 +23,8 @@ per-value counters in registers instead. Nothing is ever unpacked in memory.
 
 Imports only torch and Triton (shipped with torch's CUDA builds on Linux); with
 ``TRITON_INTERPRET=1`` set before import, the same kernels run on CPU tensors, which is
-how the tests check them without a GPU.
+how the tests check them without a GPU; ``scripts/compile_kernels.py`` compiles them for
+NVIDIA targets without one (``tests/test_gpu_compile.py``).
 """
 
 from __future__ import annotations
@@ -110,6 +111,19 @@ def coin_stream(generator: torch.Generator | None, device: torch.device, nbytes:
     return seed & (_INT64 - 1) | _INT64, offset | _INT64
 
 
+@triton.jit
+def _store_signs(out_ptr, x, inside, byte, bit, seed, counter, nbytes, NAN_IS_ZERO: tl.constexpr):
+    """Pack the signs of a ``(BYTES, 8)`` tile into bytes, a fair coin's bit at each zero, and store them."""
+    weight = (128 >> bit).to(tl.int32)  # 128, 64, …, 1
+    packed = tl.sum((x > 0).to(tl.int32) * weight[None, :], axis=1)  # 8 signs → 1 byte, x > 0 → bit 1
+    zero = (x == 0) | (x != x) if NAN_IS_ZERO else x == 0  # +0 and −0 (and NaN, where sign(x) = 0 for it)
+    zero = (zero & inside).to(tl.int32)
+    if tl.sum(zero) > 0:  # rare: a fair coin flip's bit at each zero
+        coins = (tl.randint(seed, counter + byte) & 255).to(tl.int32)  # 8 coins per byte from Philox
+        packed = packed | (tl.sum(zero * weight[None, :], axis=1) & coins)
+    tl.store(out_ptr + byte, packed.to(tl.uint8), mask=byte < nbytes)
+
+
 @triton.jit(do_not_specialize=["seed", "counter"])
 def _pack_positive(v_ptr, out_ptr, seed, counter, d, nbytes, BYTES: tl.constexpr):
     byte = tl.program_id(0).to(tl.int64) * BYTES + tl.arange(0, BYTES)  # this program's output bytes
@@ -117,13 +131,7 @@ def _pack_positive(v_ptr, out_ptr, seed, counter, d, nbytes, BYTES: tl.constexpr
     idx = byte[:, None] * 8 + bit[None, :]  # (BYTES, 8) value indices
     inside = idx < d
     v = tl.load(v_ptr + idx, mask=inside, other=-1.0)  # one read of v
-    weight = (128 >> bit).to(tl.int32)  # 128, 64, …, 1
-    packed = tl.sum((v > 0).to(tl.int32) * weight[None, :], axis=1)  # 8 signs → 1 byte
-    zero = ((v == 0) & inside).to(tl.int32)  # exact zeros (+0 and −0)
-    if tl.sum(zero) > 0:  # rare: a fair coin flip's bit at each exact zero
-        coins = (tl.randint(seed, counter + byte) & 255).to(tl.int32)  # 8 coins per byte from Philox
-        packed = packed | (tl.sum(zero * weight[None, :], axis=1) & coins)
-    tl.store(out_ptr + byte, packed.to(tl.uint8), mask=byte < nbytes)
+    _store_signs(out_ptr, v, inside, byte, bit, seed, counter, nbytes, NAN_IS_ZERO=False)  # a NaN packs as 0
 
 
 def pack_positive(v: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -163,13 +171,7 @@ def _lion_pack(m_ptr, g_ptr, out_ptr, seed, counter, d, nbytes, b1, a1, b2, a2, 
     g = tl.load(g_ptr + idx, mask=inside, other=0.0)  # one read of g
     mix = tl.fma(g, a1, m * b1)  # β₁·m + (1−β₁)·g, rounded as torch's m.mul(β₁).add_(g, alpha=1−β₁)
     tl.store(m_ptr + idx, tl.fma(g, a2, m * b2), mask=inside)  # m ← β₂·m + (1−β₂)·g, from the old m
-    weight = (128 >> bit).to(tl.int32)  # 128, 64, …, 1
-    packed = tl.sum((mix > 0).to(tl.int32) * weight[None, :], axis=1)  # δ = +1 → bit 1
-    zero = (((mix == 0) | (mix != mix)) & inside).to(tl.int32)  # δ = sign(mix) = 0: mix = ±0 or NaN
-    if tl.sum(zero) > 0:  # rare: pack_positive's coin flips at the zero directions
-        coins = (tl.randint(seed, counter + byte) & 255).to(tl.int32)  # 8 coins per byte from Philox
-        packed = packed | (tl.sum(zero * weight[None, :], axis=1) & coins)
-    tl.store(out_ptr + byte, packed.to(tl.uint8), mask=byte < nbytes)
+    _store_signs(out_ptr, mix, inside, byte, bit, seed, counter, nbytes, NAN_IS_ZERO=True)  # δ = sign(mix)
 
 
 def lion_pack(
