@@ -119,20 +119,17 @@ def _state_arrays(state: ReplicaState) -> dict[str, torch.Tensor]:
     return {"x": state.x, "m": state.m} | ({"e": state.error} if state.error is not None else {})
 
 
-def save_state(context: Context, state: ReplicaState, momentum_dtype: str = "float32") -> None:
+def save_state(context: Context, state: ReplicaState) -> None:
     """Store x, m (and e) and the version in ``context.state`` (kept by Flower across rounds).
 
-    With ``momentum_dtype="bfloat16"`` m is stored in 2 bytes per value; it must already
-    hold bfloat16-representable values (see :func:`train`), so nothing is lost here.
+    ``state`` is on the host, as :func:`_on_host` gives it: an m in bfloat16 (momentum-dtype
+    ``"bfloat16"``) is stored in 2 bytes per value, and :func:`load_state` gives it back as float32.
     """
-    bf16 = momentum_dtype == "bfloat16"  # m as the raw 16 bits of bfloat16 (numpy has no bfloat16)
-    host = {
-        k: (v.detach().to(torch.bfloat16).view(torch.int16) if k == "m" and bf16 else v.detach()).cpu().numpy()
-        for k, v in _state_arrays(state).items()
-    }
+    bf16 = state.m.dtype == torch.bfloat16  # m as the raw 16 bits of bfloat16 (numpy has no bfloat16)
+    host = {k: (v.view(torch.int16) if k == "m" and bf16 else v).numpy() for k, v in _state_arrays(state).items()}
     context.state[STATE_ARRAYS] = ArrayRecord({k: to_array(a) for k, a in host.items()})
     context.state[STATE_META] = ConfigRecord(
-        {"version": state.version, "round": state.round, "m-dtype": momentum_dtype}
+        {"version": state.version, "round": state.round, "m-dtype": "bfloat16" if bf16 else "float32"}
     )
 
 
@@ -162,22 +159,19 @@ def _saved_rounds(folder: Path) -> list[int]:
     return sorted(int(p.stem[1:]) for p in folder.glob("r*.pt") if p.stem[1:].isdigit())
 
 
-def _write_state_file(folder: Path, state: ReplicaState, keep_round: int, momentum_dtype: str = "float32") -> None:
+def _write_state_file(folder: Path, state: ReplicaState, keep_round: int) -> None:
     """Write ``r<round>.pt`` atomically; keep besides it only the newest file at or before ``keep_round``.
 
-    ``keep_round`` is the server's latest checkpoint (0: none yet), the round a resumed
-    ServerApp starts from; the file just written is the one a restarted SuperNode starts
-    from. Every other file is deleted: older rounds, and rounds after this one (a resumed
-    run's dead future). With ``momentum_dtype="bfloat16"`` m is written in 2 bytes per value
-    (it holds bfloat16 values already, see :func:`train`).
+    ``state`` is on the host, as :func:`_on_host` gives it (an m in bfloat16 is written in
+    2 bytes per value). ``keep_round`` is the server's latest checkpoint (0: none yet), the
+    round a resumed ServerApp starts from; the file just written is the one a restarted
+    SuperNode starts from. Every other file is deleted: older rounds, and rounds after this
+    one (a resumed run's dead future).
     """
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"r{state.round}.pt"
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    arrays = {k: v.cpu() for k, v in _state_arrays(state).items()}
-    if momentum_dtype == "bfloat16":
-        arrays["m"] = arrays["m"].to(torch.bfloat16)
-    torch.save({"version": state.version, "round": state.round} | arrays, tmp)
+    torch.save({"version": state.version, "round": state.round} | _state_arrays(state), tmp)
     os.replace(tmp, path)  # readers see the old file or the new one, never half of one
     rounds = _saved_rounds(folder)
     kept = max((r for r in rounds if r <= keep_round), default=None)
@@ -421,7 +415,7 @@ def train(msg: Message, context: Context) -> Message:
         state.m = state.m.to(torch.bfloat16).float()
     host = _on_host(state, settings["momentum-dtype"])  # 5. persist for the next round, from one host copy
     if settings["state-in-context"]:  # else in the state file alone (below): no model-sized state in each message
-        save_state(context, host, settings["momentum-dtype"])
+        save_state(context, host)
     reply = RecordDict(
         {
             DELTA: ArrayRecord(arrays),
@@ -436,5 +430,5 @@ def train(msg: Message, context: Context) -> Message:
         }
     )
     if folder is not None:
-        _write_state_file(folder, host, int(cfg.get("keep-round", 0)), settings["momentum-dtype"])
+        _write_state_file(folder, host, int(cfg.get("keep-round", 0)))
     return Message(content=reply, reply_to=msg)
