@@ -246,17 +246,26 @@ def test_killed_node_reported_by_the_superlink_then_restarted_under_the_same_id(
         assert torch.equal(x, strategy.x), node
 
 
+def _run_both(grids: list[LocalGrid], strategies: list[DistributedLion], rounds: int, start: int = 1) -> None:
+    for grid, strategy in zip(grids, strategies, strict=True):
+        run_rounds(strategy, grid, rounds, start=start)
+
+
+def _twin_federations(configs: list[dict]) -> tuple[list[LocalGrid], list[DistributedLion]]:
+    """Two 3-node federations, one per run config (state keys run0 and run1), after 2 rounds each."""
+    grids = [LocalGrid(client_app, 3, run_config=cfg) for cfg in configs]
+    strategies = [DistributedLion(lr=LR, weight_decay=WD, state_key=f"run{i}") for i in range(len(configs))]
+    _run_both(grids, strategies, 2)
+    return grids, strategies
+
+
 def test_restarted_node_with_state_files_continues_exactly(tmp_path: Path) -> None:
     # Prepare: twin federations with state files; in one, partition 1's SuperNode restarts after round 2
     cfg = {**RUN_CONFIG, "client-state-dir": str(tmp_path)}
-    grids = [LocalGrid(client_app, 3, run_config=cfg) for _ in range(2)]
-    strategies = [DistributedLion(lr=LR, weight_decay=WD, state_key=f"run{i}") for i in range(2)]
-    for grid, strategy in zip(grids, strategies, strict=True):
-        run_rounds(strategy, grid, 2)
+    grids, strategies = _twin_federations([cfg, cfg])
     # Execute
     grids[1].restart_node(1001, 7001)
-    for grid, strategy in zip(grids, strategies, strict=True):
-        run_rounds(strategy, grid, 3, start=3)
+    _run_both(grids, strategies, 3, start=3)
     # Assert: its file gave it back replica and momentum; nothing differs from the twin
     assert strategies[1].history[2]["state-resets"] == 0 and strategies[1].history[2]["full-syncs"] == 0
     assert torch.equal(strategies[0].x, strategies[1].x)
@@ -291,14 +300,10 @@ def test_state_files_keep_the_checkpoints_round_and_the_newest_only(tmp_path: Pa
 def test_state_in_files_only_trains_like_state_in_context_and_survives_a_restart(tmp_path: Path, dtype: str) -> None:
     # Prepare: twin federations with state files; one keeps the state in them alone
     cfg = {**RUN_CONFIG, "client-state-dir": str(tmp_path), "momentum-dtype": dtype}
-    grids = [LocalGrid(client_app, 3, run_config={**cfg, "state-in-context": ctx}) for ctx in (True, False)]
-    strategies = [DistributedLion(lr=LR, weight_decay=WD, state_key=f"run{i}") for i in range(2)]
-    for grid, strategy in zip(grids, strategies, strict=True):
-        run_rounds(strategy, grid, 2)
+    grids, strategies = _twin_federations([{**cfg, "state-in-context": ctx} for ctx in (True, False)])
     # Execute: partition 1's SuperNode restarts in the files-only federation
     grids[1].restart_node(1001, 7001)
-    for grid, strategy in zip(grids, strategies, strict=True):
-        run_rounds(strategy, grid, 2, start=3)
+    _run_both(grids, strategies, 2, start=3)
     # Assert: no model-sized state in the files-only contexts; the same model, the same momenta
     assert all("dlion.state" not in grids[1].context(n).state for n in grids[1].node_ids)
     assert all(
