@@ -21,6 +21,10 @@ mean's broadcast as they stand; the masks "count > n/2" and "count = n/2" are co
 plane by plane from the top. The int32 counts (and more than 4,095 payloads) use
 per-value counters in registers instead. Nothing is ever unpacked in memory.
 
+Every launch passes ``enable_fp_fusion=False``: the one multiply-add that must round as
+torch's does is written as ``tl.fma``, and no other is fused, so the bits do not depend on
+Triton's default for fusion (on up to 3.9, off from 3.10 on).
+
 Imports only torch and Triton (shipped with torch's CUDA builds on Linux); with
 ``TRITON_INTERPRET=1`` set before import, the same kernels run on CPU tensors, which is
 how the tests check them without a GPU; ``scripts/compile_kernels.py`` compiles them for
@@ -157,7 +161,7 @@ def pack_positive(v: torch.Tensor, generator: torch.Generator | None = None) -> 
     out = torch.empty(nbytes, dtype=torch.uint8, device=v.device)
     if d:
         seed, counter = coin_stream(generator, v.device, nbytes)
-        _pack_positive[(-(-nbytes // BYTES),)](v, out, seed, counter, d, nbytes, BYTES=BYTES)
+        _pack_positive[(-(-nbytes // BYTES),)](v, out, seed, counter, d, nbytes, BYTES=BYTES, enable_fp_fusion=False)
     return out
 
 
@@ -213,7 +217,7 @@ def lion_pack(
     if d:
         seed, counter = coin_stream(generator, m.device, nbytes)
         grid = (-(-nbytes // STEP_BYTES),)
-        _lion_pack[grid](m, g, out, seed, counter, d, nbytes, *coefs, BYTES=STEP_BYTES)
+        _lion_pack[grid](m, g, out, seed, counter, d, nbytes, *coefs, BYTES=STEP_BYTES, enable_fp_fusion=False)
     return out
 
 
@@ -463,13 +467,14 @@ def _launch_count(payloads: Sequence[torch.Tensor], d: int, what: int, *outs: to
     if what != _COUNTS and planes <= MAX_SLICED_PLANES:  # masks and planes straight from bit-sliced counters
         grid = (-(-nbytes // (4 * SLICED_WORDS)),)
         _count_sliced[grid](
-            addresses, n, nbytes, n // 2, int(n % 2 == 0), outs[0], tie, WHAT=what, PLANES=planes, WORDS=SLICED_WORDS
-        )
+            addresses, n, nbytes, n // 2, int(n % 2 == 0), outs[0], tie, WHAT=what, PLANES=planes, WORDS=SLICED_WORDS,
+            enable_fp_fusion=False,
+        )  # fmt: skip
         return
     grid = (-(-nbytes // COUNT_BYTES),)
     _count_votes[grid](
         addresses, n, nbytes, d, n // 2, int(n % 2 == 0), outs[0], tie,
-        WHAT=what, PLANES=planes, BYTES=COUNT_BYTES,
+        WHAT=what, PLANES=planes, BYTES=COUNT_BYTES, enable_fp_fusion=False,
     )  # fmt: skip
 
 

@@ -10,7 +10,9 @@ GPU named here instead of the one a driver would report: Triton IR → LLVM → 
 with the ``ptxas`` that ships with Triton. Nothing runs on a GPU and no CUDA driver is needed.
 
 For each kernel and architecture it prints the registers per thread, the spilled bytes and
-the shared memory that ``ptxas`` reports, and exits with status 1 if any compile fails.
+the shared memory that ``ptxas`` reports and whether floating-point fusion was on (the
+launchers turn it off, so a kernel's bits do not change with Triton's default), and exits
+with status 1 if any compile fails.
 With ``--sass DIR`` it also writes each variant's machine code (SASS, addresses and
 encodings left out), so that ``diff -r`` of two such folders shows whether a change to a
 kernel's source changed the code a GPU would run.
@@ -55,6 +57,7 @@ class Compiled:
     spill_stores: int | None = None
     spill_loads: int | None = None
     shared_bytes: int = 0
+    fp_fusion: bool | None = None  # whether the compiler was let fuse a multiply and an add into an FMA
     cubin: bytes = field(default=b"", repr=False)
 
 
@@ -109,6 +112,7 @@ class _CompileOnly:
                     spill_stores=int(spill.group(1)) if spill else None,
                     spill_loads=int(spill.group(2)) if spill else None,
                     shared_bytes=int(kernel.metadata.shared),
+                    fp_fusion=bool(kernel.metadata.enable_fp_fusion),
                     cubin=kernel.asm["cubin"],
                 )
             )
@@ -209,8 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# Triton kernels compiled without a GPU: triton {triton.__version__}, torch {torch.__version__}, "
           f"{platform.machine()}")  # fmt: skip
     print()
-    print("| arch | kernel | variant | registers | spill stores / loads | shared | cubin | compile |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| arch | kernel | variant | registers | spill stores / loads | shared | cubin | fp fusion | compile |")
+    print("|---|---|---|---|---|---|---|---|---|")
     rows = [r for arch in args.arch for r in _print_rows(compile_all(arch))]
     if args.sass is not None:
         _write_sass(rows, args.sass)
@@ -242,11 +246,11 @@ def _write_sass(rows: list[Compiled], folder: Path) -> None:
 def _print_rows(rows: list[Compiled]) -> list[Compiled]:
     for r in rows:
         if r.error is not None:
-            print(f"| sm_{r.arch} | {r.kernel} | {r.variant} | **failed** (below) | | | | |")
+            print(f"| sm_{r.arch} | {r.kernel} | {r.variant} | **failed** (below) | | | | | |")
             continue
         print(
             f"| sm_{r.arch} | {r.kernel} | {r.variant} | {r.registers} | {r.spill_stores} B / {r.spill_loads} B "
-            f"| {r.shared_bytes:,} B | {len(r.cubin):,} B | {r.seconds:.1f} s |"
+            f"| {r.shared_bytes:,} B | {len(r.cubin):,} B | {'on' if r.fp_fusion else 'off'} | {r.seconds:.1f} s |"
         )
     return rows
 
