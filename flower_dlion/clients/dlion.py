@@ -138,6 +138,8 @@ def _on_host(state: ReplicaState, momentum_dtype: str) -> ReplicaState:
 
     A GPU client's context, state file and checksum all read this one copy, and m crosses
     in 2 bytes per value when it is stored in 2. On the CPU nothing is copied but m's bfloat16.
+    This is the one place m is rounded to bfloat16, once per round: the next message loads it
+    back as float32 (:func:`load_state`, :func:`_read_state_file`), on every path.
     """
     m = state.m.detach().to(torch.bfloat16) if momentum_dtype == "bfloat16" else state.m.detach()
     error = None if state.error is None else state.error.detach().cpu()
@@ -411,8 +413,6 @@ def train(msg: Message, context: Context) -> Message:
         arrays["momentum"] = to_array(state.m[mask].cpu().numpy())
 
     state.round = server_round
-    if settings["momentum-dtype"] == "bfloat16":  # m rounded once per round, the same on every path
-        state.m = state.m.to(torch.bfloat16).float()
     host = _on_host(state, settings["momentum-dtype"])  # 5. persist for the next round, from one host copy
     if settings["state-in-context"]:  # else in the state file alone (below): no model-sized state in each message
         save_state(context, host)
