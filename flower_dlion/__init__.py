@@ -1,8 +1,37 @@
 """flower-dlion: Distributed Lion for Flower, 1 bit per parameter up, a packed Δ down.
 
-The bit codec (:mod:`flower_dlion.codec`) and the Lion math (:mod:`flower_dlion.lion`)
-import only torch and numpy; the strategy (:mod:`flower_dlion.strategies.dlion`) and the
-client (:mod:`flower_dlion.clients.dlion`) put them on Flower's Message API.
+The public API is two classes, one per side of a Flower app:
+
+* :class:`DistributedLion`, the ``Strategy`` your ``ServerApp`` starts (as Flower's ``FedAvg``);
+* :class:`DLionClient`, which your ``ClientApp``'s train handler calls with its batches.
+
+The bit codec (:mod:`flower_dlion.codec`) and the Lion math (:mod:`flower_dlion.lion`) import
+only torch and numpy; :mod:`flower_dlion.params` maps any ``nn.Module`` onto the flat vector x.
+The two classes are imported on first use, so that importing the codec alone never imports flwr.
 """
 
-__version__ = "0.1.0"
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .clients.dlion import ClientSettings, DLionClient
+    from .strategies.dlion import DistributedLion
+
+__all__ = ["ClientSettings", "DLionClient", "DistributedLion", "__version__"]
+
+__version__ = "0.2.0"
+
+_LAZY = {
+    "ClientSettings": ".clients.dlion",
+    "DLionClient": ".clients.dlion",
+    "DistributedLion": ".strategies.dlion",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Import the public classes on first use (PEP 562)."""
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -3,6 +3,9 @@
 Usage::
 
     python -m flower_dlion.deploy --nodes 3 --run-config "num-server-rounds=5" [--work DIR]
+    python -m flower_dlion.deploy certs --out DIR --host superlink.example.org [--nodes N] [--days D]
+
+The second makes the credentials of a real deployment (examples/edge/README.md).
 
 What it does, in order (every process it starts is stopped by its PID at the end, also when a
 step fails):
@@ -41,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Deployment", "free_port", "main", "make_certificates", "make_node_key"]
+__all__ = ["Deployment", "free_port", "main", "make_certificates", "make_credentials", "make_node_key"]
 
 APP_ROOT = Path(__file__).resolve().parent.parent  # the folder with pyproject.toml
 
@@ -53,8 +56,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def make_certificates(folder: Path) -> tuple[Path, Path, Path]:
-    """A throwaway CA and a server certificate for 127.0.0.1 / localhost: (ca.crt, server.pem, server.key)."""
+def make_certificates(
+    folder: Path, hosts: tuple[str, ...] = ("127.0.0.1", "localhost"), days: float = 2
+) -> tuple[Path, Path, Path]:
+    """A CA and a SuperLink certificate for ``hosts`` (names or IPs): (ca.crt, server.pem, server.key).
+
+    Valid for ``days``; the default is a throwaway pair for 127.0.0.1 / localhost.
+    """
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -63,7 +71,7 @@ def make_certificates(folder: Path) -> tuple[Path, Path, Path]:
     folder.mkdir(parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP384R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "flower-dlion throwaway CA")])
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "flower-dlion CA")])
     ca = (
         x509.CertificateBuilder()
         .subject_name(ca_name)
@@ -71,20 +79,26 @@ def make_certificates(folder: Path) -> tuple[Path, Path, Path]:
         .public_key(ca_key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=2))
+        .not_valid_after(now + datetime.timedelta(days=days))
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
         .sign(ca_key, hashes.SHA256())
     )
     key = ec.generate_private_key(ec.SECP384R1())
-    san = x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
+    names: list[x509.GeneralName] = []
+    for host in hosts:
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            names.append(x509.DNSName(host))
+    san = x509.SubjectAlternativeName(names)
     cert = (
         x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]))
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]))
         .issuer_name(ca_name)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=2))
+        .not_valid_after(now + datetime.timedelta(days=days))
         .add_extension(san, critical=False)
         .sign(ca_key, hashes.SHA256())
     )
@@ -273,8 +287,34 @@ class Deployment:
         raise TimeoutError(f"run {run_id} did not finish within {timeout} s")
 
 
+def make_credentials(out: Path, hosts: tuple[str, ...], nodes: int, days: float) -> None:
+    """What a real deployment needs: a CA, the SuperLink's certificate for ``hosts``, one key pair per node.
+
+    ``out/certs``: ca.crt (give it to every SuperNode), server.pem and server.key (the SuperLink's);
+    ``out/keys``: node<i> (node i's private key: give it to that device only) and node<i>.pub
+    (register it with ``flwr supernode register``).
+    """
+    make_certificates(out / "certs", hosts, days)
+    for i in range(nodes):
+        make_node_key(out / "keys", f"node{i}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point (see the module docstring)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["certs"]:
+        parser = argparse.ArgumentParser(
+            prog="python -m flower_dlion.deploy certs",
+            description="Make the TLS certificates and SuperNode keys of a deployment (see make_credentials).",
+        )
+        parser.add_argument("--out", type=Path, required=True, help="folder for certs/ and keys/")
+        parser.add_argument("--host", action="append", required=True, help="the SuperLink's name or IP (repeatable)")
+        parser.add_argument("--nodes", type=int, default=2, help="SuperNode key pairs to make")
+        parser.add_argument("--days", type=float, default=365, help="validity of the certificates")
+        args = parser.parse_args(argv[1:])
+        make_credentials(args.out, tuple(args.host), args.nodes, args.days)
+        print(f"wrote {args.out / 'certs'} and {args.out / 'keys'}")
+        return 0
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=int, default=3)
     parser.add_argument("--run-config", default="num-server-rounds=5")

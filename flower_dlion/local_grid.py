@@ -57,6 +57,8 @@ class LocalGrid(Grid):
         serialized back; return None to drop the reply (a node that never answers).
     first_node_id : int (default: 1000)
         Node ``i`` gets node id ``first_node_id + i`` (Flower's ids are random per run).
+    node_configs : list of dict | None (default: None)
+        Each node's node config instead (e.g. ``{}``: SuperNodes without a partition id).
 
     """
 
@@ -69,6 +71,7 @@ class LocalGrid(Grid):
         run_id: int = 1,
         reply_hook: ReplyHook | None = None,
         first_node_id: int = 1000,
+        node_configs: list[dict[str, Any]] | None = None,
     ) -> None:
         self.client_app = client_app
         self.reply_hook = reply_hook
@@ -82,7 +85,9 @@ class LocalGrid(Grid):
             ctx = Context(
                 run_id=run_id,
                 node_id=node_id,
-                node_config={"partition-id": i, "num-partitions": num_nodes},
+                node_config={"partition-id": i, "num-partitions": num_nodes}
+                if node_configs is None
+                else node_configs[i],
                 state=RecordDict(),
                 run_config=dict(run_config or {}),
             )

@@ -1,31 +1,18 @@
-"""The shipped model: a small CNN for 28×28 grey images, without BatchNorm.
+"""The repository app's model: a small CNN for 28×28 grey images, and its evaluation.
 
-Lion updates trainable parameters only; a model with float buffers (BatchNorm running
-statistics) would need them synchronized separately, so the shipped model has none.
-Parameters are flattened in ``named_parameters()`` order; :func:`layout` names that
-order so a server and a client can check that they agree before exchanging bits.
+Any ``nn.Module`` works with the library (:mod:`flower_dlion.params`); this one is the
+default federation's, kept without BatchNorm so that its results stay comparable with the
+study's.
 """
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Iterable, Sequence
-
 import torch
 from torch import nn
 
-__all__ = [
-    "Net",
-    "evaluate",
-    "flat_gradient",
-    "flat_parameters",
-    "layer_mask",
-    "layout",
-    "layout_fingerprint",
-    "load_flat_",
-    "num_parameters",
-    "seeded_net",
-]
+from .params import Binding, cross_entropy_loss
+
+__all__ = ["Net", "evaluate", "flat_gradient", "flat_parameters", "seeded_net"]
 
 
 class Net(nn.Module):
@@ -66,62 +53,16 @@ def seeded_net(seed: int) -> Net:
         return Net()
 
 
-def layer_mask(names_and_shapes: Iterable[tuple[str, Sequence[int]]], prefixes: Sequence[str]) -> torch.Tensor:
-    """Boolean mask over the flat parameters: True for tensors whose name starts with a prefix.
-
-    An empty ``prefixes`` selects every parameter.
-    """
-    parts = []
-    for name, shape in names_and_shapes:
-        n = 1
-        for s in shape:
-            n *= int(s)
-        parts.append(torch.full((n,), not prefixes or name.startswith(tuple(prefixes)), dtype=torch.bool))
-    return torch.cat(parts)
-
-
-def num_parameters(model: nn.Module) -> int:
-    """Number of trainable scalars d."""
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
-
-
-def layout_fingerprint(names_and_shapes: Iterable[tuple[str, Sequence[int]]]) -> str:
-    """A short fingerprint of parameter names, shapes and their order (sha256 prefix)."""
-    desc = ";".join(f"{name}:{tuple(int(s) for s in shape)}" for name, shape in names_and_shapes)
-    return hashlib.sha256(desc.encode()).hexdigest()[:16]
-
-
-def layout(model: nn.Module) -> str:
-    """:func:`layout_fingerprint` of the model's trainable parameters."""
-    return layout_fingerprint((name, p.shape) for name, p in model.named_parameters() if p.requires_grad)
-
-
 def flat_parameters(model: nn.Module) -> torch.Tensor:
-    """All trainable parameters as one flat float32 vector (a copy)."""
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters() if p.requires_grad]).float()
+    """All trainable parameters as one flat float32 vector (a copy): x as D-Lion lays it out."""
+    return Binding(model).flat_parameters()
 
 
 def flat_gradient(
     model: nn.Module, x: torch.Tensor, images: torch.Tensor, labels: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy loss at the flat parameters ``x`` and its gradient as one flat vector."""
-    load_flat_(model, x)
-    loss = nn.functional.cross_entropy(model(images), labels)
-    params = [p for p in model.parameters() if p.requires_grad]
-    return loss.detach(), torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, params)])
-
-
-def load_flat_(model: nn.Module, x: torch.Tensor) -> None:
-    """Copy the flat vector ``x`` into the model's trainable parameters."""
-    offset = 0
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                n = p.numel()
-                p.copy_(x[offset : offset + n].view_as(p))
-                offset += n
-    if offset != x.numel():
-        raise ValueError(f"flat vector has {x.numel()} values, the model has {offset} parameters")
+    return Binding(model).gradient(x, cross_entropy_loss, (images, labels))
 
 
 @torch.no_grad()

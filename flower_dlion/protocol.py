@@ -5,23 +5,37 @@ Server → client (``train``)::
     "dlion.config"   ConfigRecord  server-round, kind ("full" | "deltas" | "none"),
                                    base-version, version, num-levels[], lr[], weight-decay[],
                                    [scales[] (per Δ, one float per tensor)], beta1, beta2,
-                                   batch-size, seed, layout, local-steps, accumulate, upload,
+                                   seed (the strategy's: coin flips, batch order), layout,
+                                   local-steps, accumulate, upload,
                                    [local-lr, local-weight-decay], [init-seed, init-checksum],
-                                   [momentum-sync, momentum-sync-layers]
+                                   [momentum-sync, momentum-sync-layers], [buffers]
     "dlion.update"   ArrayRecord   one Array "payload": the full x (float32) for kind "full",
                                    the encoded Δs back to back (stype "dlion.levels") for "deltas"
     "dlion.momentum" ArrayRecord   (after a momentum-sync round) Array "m": the averaged
                                    momentum of the synchronized layers, float32
 
 A new node of a run with ``init = "seed"`` gets "init-seed" and "init-checksum" instead of
-the full model, builds x₀ itself (``model.seeded_net``), and applies the Δs since version 0.
+the full model, builds x₀ itself (its ``model_fn()`` under ``torch.manual_seed(seed)``), and
+applies the Δs since version 0.
 A Δ's value is ``scale · (2k − (L−1)) / (L−1)`` for level k of L (scale 1 when absent).
 
-A ``query`` message (every strategy of ours, once per new node id) asks a node who it is::
+A ``query.dlion`` message (every strategy of ours, once per new node id) asks a node who it is::
 
-    server → client  "hello"  ConfigRecord  [state-key, state-round] (with ``client-state-dir``)
-    client → server  "hello"  MetricRecord  partition-id, num-partitions, version (of the replica
-                                            the node would start from, -1 for none)
+    server → client  "hello"  ConfigRecord  [state-key, state-round] (with state files)
+    client → server  "hello"  ConfigRecord  partition-id (-1: none in the node config; the node
+                                            is then known by its node id), version (of the
+                                            replica the node would start from, -1: none),
+                                            model (bytes: the model's state_dict entries with
+                                            their kinds, ``params.ModelSpec.encode``)
+
+A full model (kind "full") also carries the rest of the model when it has any::
+
+    "dlion.rest"     ArrayRecord   the frozen parameters and buffers, by state_dict name
+
+In a buffer round (``buffers`` = 1 in the config) a reply also holds Array "buffers" in
+"dlion.delta": the client's buffers, float32, flat, in the model description's order.
+The ``train_config`` a ServerApp passes to ``start`` reaches the client as Flower's own
+"config" ConfigRecord, as FedAvg sends it.
 
 Client → server::
 
@@ -33,7 +47,7 @@ Client → server::
                                    a momentum-sync round: also Array "momentum", float32
     "dlion.metrics"  MetricRecord  num-examples, train-loss, version, checksum
 
-With ``client-state-dir``, train and query messages also carry ``state-key`` (the run's
+With a ``state_key`` (state files that outlive the run), train and query messages also carry ``state-key`` (the run's
 identity, kept across a resume), ``state-round`` (start from your state as of the end of
 this round: the previous round, or the checkpoint's round after a resume) and, in train
 messages, ``keep-round`` (the server's latest checkpoint: keep the state of that round on disk).
@@ -41,7 +55,7 @@ messages, ``keep-round`` (the server's latest checkpoint: keep the state of that
 Versions count the Δs applied to x since the start. ``checksum`` is the CRC-32 of the
 client's replica (float32 bytes) at ``version``, the point where it computed δ.
 
-The gradient baselines (global Lion, global AdamW, TernGrad; ``strategies/server_opt.py``)::
+The gradient baselines (global Lion, global AdamW, TernGrad; ``strategies/global_opt.py``)::
 
     server → client  "grad.config"  ConfigRecord  server-round, encoding ("fp32" | "terngrad"),
                                                   batch-size, seed, layout
@@ -60,7 +74,6 @@ import functools
 import io
 import math
 import weakref
-import zlib
 from collections.abc import Container, Sequence
 
 import numpy as np
@@ -68,6 +81,8 @@ import torch
 from flwr.app import Array, Message, MetricRecord, RecordDict
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, no_object_id_recompute
+
+from .params import state_checksum
 
 __all__ = [
     "CLIENT_STATE_ERROR",
@@ -78,13 +93,16 @@ __all__ = [
     "GRAD_MODEL",
     "GRAD_UPDATE",
     "HELLO",
+    "HELLO_ACTION",
     "LEVELS_STYPE",
     "METRICS",
     "MOMENTUM",
+    "REST",
     "SEED_MISMATCH",
     "SIGN_STYPE",
     "TERNGRAD_STYPE",
     "UPDATE",
+    "USER_CONFIG",
     "RejectedReply",
     "bits_array",
     "check_envelope",
@@ -104,6 +122,9 @@ DELTA = "dlion.delta"
 METRICS = "dlion.metrics"
 MOMENTUM = "dlion.momentum"
 HELLO = "hello"
+HELLO_ACTION = "dlion"  # the hello is a "query.dlion" message: a user's own query handler stays free
+REST = "dlion.rest"
+USER_CONFIG = "config"  # the ServerApp's train_config, where Flower's FedAvg puts it
 CLIENT_STATE_ERROR = "ClientStateError"  # in a client's error reason when its replica cannot serve a message
 SEED_MISMATCH = "x0 built from seed"  # in a client's error when its x₀ differs from the server's
 SIGN_STYPE = "dlion.sign1"
@@ -121,12 +142,14 @@ class RejectedReply(ValueError):
     """A client reply that cannot be used; the message says why.
 
     ``resync=True``: the reply shows that the node's replica differs from the server's
-    (version or checksum), so the node is sent the full model next time.
+    (version or checksum), so the node is sent the full model next time. ``final=True`` (a
+    hello): the node cannot take part (its model differs), so it is not asked again.
     """
 
-    def __init__(self, message: str, *, resync: bool = False) -> None:
+    def __init__(self, message: str, *, resync: bool = False, final: bool = False) -> None:
         super().__init__(message)
         self.resync = resync
+        self.final = final
 
 
 def error_text(msg: Message) -> str:
@@ -226,9 +249,8 @@ def sync_prefixes(layers: str) -> tuple[str, ...]:
 
 
 def checksum(x: torch.Tensor | np.ndarray) -> int:
-    """CRC-32 of a float32 replica's bytes (equal replicas ⇔ equal bytes)."""
-    a = x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else x
-    return zlib.crc32(np.ascontiguousarray(a, dtype=np.float32))
+    """CRC-32 of a float32 replica's bytes (equal replicas ⇔ equal bytes): ``params.state_checksum(x)``."""
+    return state_checksum(x)
 
 
 _SIZES: weakref.WeakKeyDictionary[Message, int] = weakref.WeakKeyDictionary()

@@ -13,13 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, MessageType, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Context, MessageType, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg, Result, Strategy
 from flwr.supercore import log
 
 from .checkpoint import check_resumable, load_checkpoint, save_checkpoint
-from .config import read_config
+from .config import DLION_STRATEGIES, read_config
 from .data import load_fashion_mnist, to_tensor
 from .metering import Exchange, MeteredGrid
 from .model import Net, evaluate
@@ -50,7 +50,13 @@ def build_strategy(cfg: dict[str, Any], state_key: str = "") -> Strategy:
     (``momentum``): sign(β·m + (1−β)·g) is the sign of the new m. So it runs on the same
     client and strategy, with the same 1-bit messages.
     """
-    common = {"fraction_train": cfg["fraction-train"], "min_replies": cfg["min-replies"], "sample_seed": cfg["seed"]}
+    common = {
+        "fraction_train": cfg["fraction-train"],
+        "min_train_nodes": cfg["min-train-nodes"],
+        "min_available_nodes": cfg["min-available-nodes"],
+        "min_replies": cfg["min-replies"],
+        "sample_seed": cfg["seed"],
+    }
     name = cfg["strategy"]
     if name in ("dlion-vote", "dlion-mean", "signsgd-vote"):
         beta1, beta2 = (cfg["momentum"], cfg["momentum"]) if name == "signsgd-vote" else (cfg["beta1"], cfg["beta2"])
@@ -66,7 +72,7 @@ def build_strategy(cfg: dict[str, Any], state_key: str = "") -> Strategy:
             broadcast_bits=cfg["broadcast-bits"],
             momentum_sync_every=cfg["momentum-sync-every"],
             momentum_sync_layers=sync_prefixes(cfg["momentum-sync-layers"]),
-            init_seed=cfg["seed"] if cfg["init"] == "seed" else None,  # x₀ = model.seeded_net(seed)
+            init_seed=cfg["seed"] if cfg["init"] == "seed" else None,  # x₀ = Net() after torch.manual_seed(seed)
             state_key=state_key,
             **common,
         )
@@ -82,14 +88,25 @@ def build_strategy(cfg: dict[str, Any], state_key: str = "") -> Strategy:
             **common,
         )
     if name == "fedavg":
-        return FedAvg(fraction_train=cfg["fraction-train"], fraction_evaluate=0.0)
+        return FedAvg(
+            fraction_train=cfg["fraction-train"],
+            fraction_evaluate=0.0,
+            min_train_nodes=cfg["min-train-nodes"],
+            min_available_nodes=cfg["min-available-nodes"],
+        )
     raise ValueError(f"unknown strategy {name!r}")
 
 
 def train_config(cfg: dict[str, Any]) -> ConfigRecord:
-    """What the server sends clients in every train message besides the strategy's own keys."""
+    """What the server sends the baselines' clients in every train message besides the strategy's keys.
+
+    The D-Lion clients read their batch size and seed from the run config (as any app's
+    clients read their own); Flower's FedAvg forwards this record as is.
+    """
+    if cfg["strategy"] in DLION_STRATEGIES:
+        return ConfigRecord()
     values: dict[str, Any] = {"batch-size": cfg["batch-size"], "seed": cfg["seed"]}
-    if cfg["strategy"] == "fedavg":  # Flower's FedAvg forwards this record as is
+    if cfg["strategy"] == "fedavg":
         values.update(
             {
                 "lr": cfg["lr"],
@@ -142,7 +159,7 @@ def run_federation(grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, s
 
     torch.manual_seed(cfg["seed"])
     model = Net()  # the same x₀ as model.seeded_net(seed), which init = "seed" clients build
-    initial = ArrayRecord({name: Array(p.detach().numpy().copy()) for name, p in model.named_parameters()})
+    initial = ArrayRecord(model.state_dict())
     eval_name, eval_x, eval_y = evaluation_set(cfg)
     state_key = uuid.uuid4().hex if cfg["client-state-dir"] else ""  # kept across resumes (in the strategy)
     strategy = build_strategy(cfg, state_key)

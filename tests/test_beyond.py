@@ -14,10 +14,12 @@ from hypothesis import strategies as st
 
 from flower_dlion import codec, lion, quantizers
 from flower_dlion.client_app import app as client_app
-from flower_dlion.clients.dlion import ReplicaState, apply_message, load_state
+from flower_dlion.clients.replica import apply_message
+from flower_dlion.clients.state import ReplicaState, load_state
 from flower_dlion.config import read_config
 from flower_dlion.local_grid import LocalGrid
-from flower_dlion.model import Net, flat_parameters, layer_mask, layout, seeded_net
+from flower_dlion.model import Net, flat_parameters, seeded_net
+from flower_dlion.params import layer_mask
 from flower_dlion.protocol import CONFIG, DELTA, METRICS, MOMENTUM, UPDATE, checksum, message_bytes
 from flower_dlion.server_app import build_strategy
 from flower_dlion.strategies import DistributedLion
@@ -215,7 +217,7 @@ def test_ef_sign_upload_and_one_bit_broadcast_with_server_error_feedback() -> No
     cfg = nxt[0].content[CONFIG]
     assert cfg["num-levels"] == [2] and len(cfg["scales"]) == 2
     replica = ReplicaState(torch.from_numpy(X0.copy()), torch.zeros(10), 0)
-    state = apply_message(nxt[0].content, replica, 10, torch.device("cpu"), 1, "any layout", SIZES)
+    state = apply_message(nxt[0].content, replica, strategy.spec, torch.device("cpu"), 1)
     assert torch.equal(state.x, strategy.x)
 
 
@@ -337,14 +339,12 @@ def test_every_option_keeps_every_replica_equal_to_the_server_x(name: str, tmp_p
         _, metrics = strategy.aggregate_train(rnd, replies)
         assert metrics["num-replies"] == 3 and metrics["num-rejected"] == 0
     # Assert: what each client would apply next gives exactly the server's x
-    model = Net()
     d = strategy.num_parameters
-    sizes = [p.numel() for p in model.parameters()]
     for msg in strategy.configure_train(5, ArrayRecord(), ConfigRecord(), grid):
         node = msg.metadata.dst_node_id
         state = load_state(grid.context(node), d, torch.device("cpu"))
         assert state is not None
-        replica = apply_message(msg.content, state, d, torch.device("cpu"), node, layout(model), sizes).x
+        replica = apply_message(msg.content, state, strategy.spec, torch.device("cpu"), node).x
         assert torch.equal(replica, strategy.x)
     assert strategy.x.isfinite().all() and not torch.equal(strategy.x, flat_parameters(Net()))
 

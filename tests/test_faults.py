@@ -15,14 +15,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from flwr.app import ArrayRecord, ConfigRecord
+from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
 
 from flower_dlion import codec
 from flower_dlion.checkpoint import check_resumable, load_checkpoint, save_checkpoint
 from flower_dlion.client_app import app as client_app
 from flower_dlion.clients.common import inject_failure
-from flower_dlion.clients.dlion import ReplicaState, _write_state_file, load_state, save_state
 from flower_dlion.clients.fedavg import _attack
+from flower_dlion.clients.state import ReplicaState, StateStore, load_state, save_state
 from flower_dlion.config import read_config
 from flower_dlion.local_grid import LocalGrid
 from flower_dlion.model import Net, flat_parameters
@@ -276,12 +276,13 @@ def test_restarted_node_with_state_files_continues_exactly(tmp_path: Path) -> No
 def test_state_files_keep_the_checkpoints_round_and_the_newest_only(tmp_path: Path) -> None:
     # Prepare: a partition's folder, and the rounds its client trains in with the server's keep-round
     state = ReplicaState(torch.zeros(3), torch.zeros(3), 0)
+    ctx = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
     kept = []
     # Execute: rounds 1–3 before any checkpoint, a checkpoint after round 3, one after round 5,
     # then a resume from round 5's checkpoint that trains round 6 again
     for rnd, keep in ((1, 0), (2, 0), (3, 0), (4, 3), (5, 3), (6, 5), (7, 5), (6, 5)):
         state.round = rnd
-        _write_state_file(tmp_path, state, keep)
+        StateStore(ctx, in_context=False, folder=tmp_path, as_of=-1, keep_round=keep).save(state)
         kept.append(sorted(p.name for p in tmp_path.iterdir()))
     # Assert: the file just written and the newest at or before the checkpoint, nothing else
     assert kept == [
@@ -318,21 +319,18 @@ def test_state_in_files_only_trains_like_state_in_context_and_survives_a_restart
     assert sorted(p.name for p in (tmp_path / "run1" / "partition-0").iterdir()) == ["r4.pt"]
 
 
-def test_state_in_files_only_without_a_state_key_is_rejected_and_loses_nothing(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    # Prepare: files only, but a strategy built without a state key (nowhere to keep the state)
+def test_state_in_files_only_without_a_state_key_keeps_it_under_the_run_id(tmp_path: Path) -> None:
+    # Prepare: files only, and a strategy built without a state key (a user's ServerApp without resume)
     cfg = {**RUN_CONFIG, "client-state-dir": str(tmp_path), "state-in-context": False}
-    grid = LocalGrid(client_app, 2, run_config=cfg)
+    grid = LocalGrid(client_app, 2, run_config=cfg, run_id=77)
     strategy = DistributedLion(lr=LR, weight_decay=WD)
-    caplog.set_level(logging.WARNING, logger="flwr")
     # Execute
-    run_rounds(strategy, grid, 1)
-    # Assert: every reply rejected with the node and the reason; no node trained or stored anything
-    for node in grid.node_ids:
-        assert f"node {node}: run-config state-in-context = false keeps the state in files only" in caplog.text
-    assert strategy.history[-1]["num-replies"] == 0 and strategy.version == 0
-    assert list(tmp_path.iterdir()) == [] and all(not grid.context(n).state for n in grid.node_ids)
+    run_rounds(strategy, grid, 3)
+    # Assert: every round trained; each node's newest state is in <dir>/run-<run id>/partition-<id>, none in a context
+    assert [h["num-replies"] for h in strategy.history] == [2, 2, 2] and strategy.version == 3
+    for pid, node in enumerate(grid.node_ids):
+        assert sorted(p.name for p in (tmp_path / "run-77" / f"partition-{pid}").iterdir()) == ["r3.pt"]
+        assert not grid.context(node).state
 
 
 RESUME_CFG = {

@@ -14,11 +14,12 @@ from flwr.app import ArrayRecord, ConfigRecord, Message
 
 from flower_dlion import codec
 from flower_dlion.client_app import app as client_app
-from flower_dlion.clients.dlion import STATE_ARRAYS, apply_message, load_state
+from flower_dlion.clients.replica import apply_message
+from flower_dlion.clients.state import STATE_ARRAYS, load_state
 from flower_dlion.config import read_config
 from flower_dlion.data import load_fashion_mnist, partition_indices, sample_batch, to_tensor
 from flower_dlion.local_grid import LocalGrid
-from flower_dlion.model import Net, flat_gradient, flat_parameters, layout
+from flower_dlion.model import Net, flat_gradient, flat_parameters
 from flower_dlion.protocol import DELTA
 from flower_dlion.server_app import run_federation
 from flower_dlion.strategies import DistributedLion
@@ -150,13 +151,12 @@ def test_a_federation_on_torchs_openmp_team_equals_the_composition(how: str, mon
 
 def sync_replicas(strategy: DistributedLion, grid: LocalGrid, rnd: int) -> dict[int, torch.Tensor]:
     """Bring each client's replica to the server's version with what the server would send next."""
-    model = Net()
     d = strategy.num_parameters
     out = {}
     for msg in strategy.configure_train(rnd, ArrayRecord(), ConfigRecord(), grid):
         node = msg.metadata.dst_node_id
         state = load_state(grid.context(node), d, torch.device("cpu"))
-        out[node] = apply_message(msg.content, state, d, torch.device("cpu"), node, layout(model)).x
+        out[node] = apply_message(msg.content, state, strategy.spec, torch.device("cpu"), node).x
     return out
 
 

@@ -88,7 +88,7 @@ def test_constructor_validates_arguments() -> None:
         DistributedLion(beta2=1.0)
     with pytest.raises(ValueError, match="fraction_train must be in"):
         DistributedLion(fraction_train=0.0)
-    with pytest.raises(ValueError, match="min_replies must be >= 1"):
+    with pytest.raises(ValueError, match="min_replies must be an integer >= 1, got 0"):
         DistributedLion(min_replies=0)
     with pytest.raises(TypeError):
         DistributedLion("vote")  # type: ignore[misc]  # keyword-only
@@ -108,7 +108,7 @@ def test_first_round_sends_full_model_to_new_nodes() -> None:
     # Assert
     for msg in sent.values():
         cfg = msg.content[CONFIG]
-        assert cfg["kind"] == "full" and cfg["version"] == 0 and cfg["batch-size"] == 8
+        assert cfg["kind"] == "full" and cfg["version"] == 0 and msg.content["config"]["batch-size"] == 8
         np.testing.assert_array_equal(msg.content[UPDATE]["payload"].numpy(), X0)
     assert strategy.num_parameters == 10
 

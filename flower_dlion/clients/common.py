@@ -1,12 +1,15 @@
-"""What every client shares: its partition of the data, its minibatches, its model object.
+"""What the repository app's clients share: the node's partition of Fashion-MNIST, its batches, its faults.
 
-The data and the partitions are loaded once per process and cached; the model object is
-built once per device and reused (each handler loads the parameters it received into it).
+The data and the partitions are loaded once per process and cached; the model object of the
+baseline clients is built once per device and reused (each handler loads the parameters it
+received into it). The D-Lion client of the app is :class:`flower_dlion.DLionClient` fed with
+:class:`PartitionBatches`.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -16,9 +19,10 @@ from flwr.app import Context
 from ..config import read_config
 from ..data import FashionMNIST, load_fashion_mnist, partition_indices, sample_batch, to_tensor
 from ..model import Net
+from .dlion import ClientStateError, resolve_device
 
 __all__ = [
-    "ClientStateError",
+    "PartitionBatches",
     "SimulatedFailure",
     "batch",
     "byzantine",
@@ -26,14 +30,9 @@ __all__ = [
     "model_on",
     "partition",
     "partition_id",
-    "resolve_device",
     "seeded_generator",
     "setup",
 ]
-
-
-class ClientStateError(RuntimeError):
-    """The node's stored state or configuration cannot serve the message it received."""
 
 
 class SimulatedFailure(RuntimeError):
@@ -58,15 +57,6 @@ def byzantine(settings: dict[str, Any], pid: int, num_partitions: int) -> bool:
     return pid < int(settings["byzantine-fraction"] * num_partitions + 0.5)
 
 
-def resolve_device(name: str) -> torch.device:
-    """``auto`` → CUDA when available, else CPU."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ClientStateError("device 'cuda' requested but torch.cuda.is_available() is False on this node")
-    return torch.device(name)
-
-
 @functools.lru_cache(maxsize=2)
 def model_on(device: torch.device) -> Net:
     """One reusable model object per device (its parameters are overwritten every message)."""
@@ -86,8 +76,8 @@ def partition_id(context: Context) -> tuple[int, int]:
         return int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
     except KeyError as err:
         raise ClientStateError(
-            f"node {context.node_id}: node config needs 'partition-id' and 'num-partitions' "
-            '(simulation sets them; for a SuperNode pass --node-config "partition-id=0 num-partitions=N")'
+            f"node {context.node_id}: the Fashion-MNIST app needs 'partition-id' and 'num-partitions' in the node "
+            'config (simulation sets them; for a SuperNode pass --node-config "partition-id=0 num-partitions=N")'
         ) from err
 
 
@@ -139,6 +129,31 @@ def batch(
     ds, rows, pid = partition(context, settings)
     rows = sample_batch(rows, batch_size, seed=seed, partition_id=pid, server_round=server_round, step=step)
     return to_tensor(ds.x_train[rows]).to(device), torch.from_numpy(ds.y_train[rows]).to(device), pid
+
+
+class PartitionBatches:
+    """The node's batches for one round: step k is ``data.sample_batch(…, step=k)``, without end.
+
+    Seeded by (seed, partition, round, step), so a run is reproducible and needs no sampler state.
+    """
+
+    def __init__(self, context: Context, settings: dict[str, Any], server_round: int) -> None:
+        self.context, self.settings, self.server_round = context, settings, server_round
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        step = 0
+        while True:
+            images, labels, _ = batch(
+                self.context,
+                self.settings,
+                server_round=self.server_round,
+                seed=self.settings["seed"],
+                batch_size=self.settings["batch-size"],
+                device=torch.device("cpu"),
+                step=step,
+            )
+            yield images, labels
+            step += 1
 
 
 def seeded_generator(device: torch.device, *keys: int) -> torch.Generator:

@@ -13,9 +13,11 @@ import torch
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
 
 from .. import codec, quantizers
-from ..model import flat_gradient, layout, num_parameters
+from ..model import flat_gradient
+from ..params import ModelSpec, layout_fingerprint
 from ..protocol import GRAD_CONFIG, GRAD_METRICS, GRAD_MODEL, GRAD_UPDATE, TERNGRAD_STYPE, to_array
-from .common import ClientStateError, batch, seeded_generator, setup
+from .common import batch, seeded_generator, setup
+from .dlion import ClientStateError
 
 __all__ = ["encode_terngrad", "train"]
 
@@ -31,8 +33,8 @@ def train(msg: Message, context: Context) -> Message:
     """Handle one ``train`` message: gradient at the received x, sent as fp32 or TernGrad."""
     settings, device, model = setup(context)
     cfg = msg.content[GRAD_CONFIG]
-    d = num_parameters(model)
-    mine = layout(model)
+    spec = ModelSpec.from_module(model)
+    d, mine = spec.d, layout_fingerprint(spec.layout)
     if cfg.get("layout", mine) != mine:
         raise ClientStateError(f"node {context.node_id}: server model layout {cfg['layout']} != {mine}")
     x = msg.content[GRAD_MODEL]["x"].numpy()
@@ -47,8 +49,7 @@ def train(msg: Message, context: Context) -> Message:
     if cfg["encoding"] == "fp32":
         payload = to_array(g.cpu().numpy())
     elif cfg["encoding"] == "terngrad":
-        sizes = [p.numel() for p in model.parameters() if p.requires_grad]
-        payload = encode_terngrad(g, sizes, seeded_generator(device, seed, pid, server_round))
+        payload = encode_terngrad(g, spec.sizes, seeded_generator(device, seed, pid, server_round))
     else:
         raise ClientStateError(f"node {context.node_id}: unknown encoding {cfg['encoding']!r}")
     reply = RecordDict(

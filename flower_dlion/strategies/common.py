@@ -1,7 +1,9 @@
-"""What both of our strategies share: checks, the flat model, sampling by partition, the round loop.
+"""What both of our strategies share: checks, the server's model, sampling by node key, the round loop.
 
-Nodes are known by partition id and sampled reproducibly; the round loop can start at a
-later round (a resume); there is no federated evaluation.
+The server's model is a flat float32 vector x (the trainable parameters) plus the rest of the
+model's state_dict (frozen parameters, buffers; see :mod:`flower_dlion.params`). Nodes are known
+by their partition id (or, without one, their node id) and sampled reproducibly; the round loop
+can start at a later round (a resume); federated evaluation sends Flower's own evaluate messages.
 """
 
 from __future__ import annotations
@@ -19,11 +21,15 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
+from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 from flwr.supercore import log
 
-from ..protocol import HELLO, RejectedReply, error_text, read_metrics, to_array
+from ..params import Entry, ModelSpec
+from ..protocol import HELLO, HELLO_ACTION, RejectedReply, error_text, to_array
 
-__all__ = ["Layout", "ServerModelStrategy", "check_common_args", "flatten", "unflatten"]
+__all__ = ["Layout", "ServerModelStrategy", "check_common_args", "spec_of_arrays"]
+
+HELLO_TYPE = f"{MessageType.QUERY}.{HELLO_ACTION}"
 
 Layout = list[tuple[str, tuple[int, ...]]]
 
@@ -39,45 +45,31 @@ def check_common_args(*, lr: float, weight_decay: float, betas: dict[str, float]
             raise ValueError(f"Invalid {name} parameter: {beta} (must be in [0, 1))")
 
 
-def flatten(arrays: ArrayRecord) -> tuple[torch.Tensor, Layout]:
-    """The initial arrays as one flat float32 vector and their (name, shape) layout."""
-    flats, layout = [], []
-    for name, arr in arrays.items():
-        a = arr.numpy()
+def spec_of_arrays(arrays: dict[str, np.ndarray]) -> ModelSpec:
+    """A model description for arrays whose clients sent none: every array is trainable."""
+    for name, a in arrays.items():
         if a.dtype.kind != "f":
             raise ValueError(
-                f"initial array {name!r} has dtype {a.dtype}: the strategy updates trainable float "
-                "parameters only; pass an ArrayRecord of the model's named_parameters()"
+                f"initial array {name!r} has dtype {a.dtype}: without a model description from the clients "
+                "(DLionClient sends one) every initial array is a trainable parameter, and those must be floats"
             )
-        layout.append((name, a.shape))
-        flats.append(torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).reshape(-1))
-    if not flats:
+    if not arrays:
         raise ValueError("initial ArrayRecord is empty")
-    return torch.cat(flats).clone(), layout
-
-
-def unflatten(x: torch.Tensor, layout: Layout) -> ArrayRecord:
-    """The flat vector as an ArrayRecord with the initial names and shapes."""
-    out, offset, flat = {}, 0, x.numpy()
-    for name, shape in layout:
-        n = int(np.prod(shape, dtype=np.int64))
-        out[name] = to_array(flat[offset : offset + n].reshape(shape))  # the values copied once
-        offset += n
-    return ArrayRecord(out)
+    return ModelSpec(tuple(Entry(name, tuple(a.shape), str(a.dtype), "trainable") for name, a in arrays.items()))
 
 
 class ServerModelStrategy(Strategy):
-    """Base of our strategies: the strategy holds the global model x as one flat float32 vector.
+    """Base of our strategies: the strategy holds the global model (x and the rest of the model).
 
-    x is taken from the initial arrays in the first ``configure_train``. The model is
-    evaluated on the server (``evaluate_fn``); there is no federated evaluation.
+    x is taken from the initial arrays in the first ``configure_train``: the entries the
+    clients' model description (their hello) calls trainable, every array when they send none.
 
-    Nodes are known by their partition id, not by Flower's node ids (random per run, new
-    after a SuperNode restarts): each new node id gets one ``query`` message
-    (``protocol.HELLO``) and says which partition it trains on. Round t samples
-    ``max(min_train_nodes, ⌊fraction_train · N⌋)`` of the N connected partitions with
-    ``numpy.random.default_rng([sample_seed, t])``: the same partitions in every run with
-    the same seed, whatever the node ids, and after a resume.
+    Nodes are known by a key, not by Flower's node ids (random per run, new after a SuperNode
+    restarts): each new node id gets one hello (a ``query.dlion`` message, ``protocol.HELLO``)
+    and says which partition it trains on (its key; a node without ``partition-id`` in its node
+    config is known by its node id). Round t samples ``max(min_train_nodes, ⌊fraction_train · N⌋)``
+    of the N connected keys with ``numpy.random.default_rng([sample_seed, t])``: the same
+    partitions in every run with the same seed, whatever the node ids, and after a resume.
 
     Parameters
     ----------
@@ -91,6 +83,11 @@ class ServerModelStrategy(Strategy):
         A round with fewer valid replies applies no update.
     sample_seed : int
         Seed of the sampling.
+    fraction_evaluate : float
+        Fraction of connected nodes sent Flower's own evaluate message (the full model as
+        "arrays", the evaluate config as "config") after each round; 0 sends none.
+    min_evaluate_nodes : int
+        Minimum number of nodes evaluated, when ``fraction_evaluate`` > 0.
 
     """
 
@@ -102,48 +99,95 @@ class ServerModelStrategy(Strategy):
         min_available_nodes: int,
         min_replies: int,
         sample_seed: int = 0,
+        fraction_evaluate: float = 0.0,
+        min_evaluate_nodes: int = 2,
     ) -> None:
         if not 0.0 < fraction_train <= 1.0:
             raise ValueError(f"fraction_train must be in (0, 1], got {fraction_train}")
+        if not 0.0 <= fraction_evaluate <= 1.0:
+            raise ValueError(f"fraction_evaluate must be in [0, 1], got {fraction_evaluate}")
         for name, value in (
             ("min_train_nodes", min_train_nodes),
             ("min_available_nodes", min_available_nodes),
             ("min_replies", min_replies),
+            ("min_evaluate_nodes", min_evaluate_nodes),
         ):
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         self.fraction_train = fraction_train
+        self.fraction_evaluate = fraction_evaluate
         self.min_train_nodes = min_train_nodes
+        self.min_evaluate_nodes = min_evaluate_nodes
         self.min_available_nodes = min_available_nodes
         self.min_replies = min_replies
         self.sample_seed = sample_seed
-        self.x: torch.Tensor | None = None  # the global model, flat float32
-        self._layout: Layout = []
-        self._pid_of: dict[int, int] = {}  # node id → partition id
-        self._node_of: dict[int, int] = {}  # partition id → node id
+        self.x: torch.Tensor | None = None  # the global model's trainable parameters, flat float32
+        self.spec: ModelSpec | None = None  # what the model holds (set with x)
+        self._layout: Layout = []  # (name, shape) of each tensor of x
+        self._rest: dict[str, np.ndarray] = {}  # frozen parameters and buffers, by name
+        self._out: dict[str, np.dtype] = {}  # name → the initial array's dtype (how arrays() returns it)
+        self._pid_of: dict[int, int] = {}  # node id → its key (partition id, or its node id)
+        self._node_of: dict[int, int] = {}  # key → node id
+        self._refused: dict[int, str] = {}  # node id → why its hello was refused (not asked again)
         self.query_timeout = 600.0  # seconds to wait for the answers to a hello
         self._outbox: list[Message] = []  # the train messages of the round in progress
+        self._evaluating: set[int] = set()  # nodes sent an evaluate message this round
+        self.num_rounds = 0  # the last round of the run in progress (set by start)
 
     @property
     def num_parameters(self) -> int:
         """Length d of the flat parameter vector (0 before the first round)."""
         return 0 if self.x is None else self.x.numel()
 
-    def _init_model(self, arrays: ArrayRecord) -> None:
-        """Take x and its layout from the initial arrays (subclasses add their optimizer state)."""
-        self.x, self._layout = flatten(arrays)
+    @property
+    def sizes(self) -> list[int]:
+        """Number of values of each tensor of x, in flat order."""
+        return [math.prod(shape) for _, shape in self._layout]
+
+    # ------------------------------------------------------------------ the model
+    def _init_model(self, arrays: ArrayRecord, spec: ModelSpec | None = None) -> None:
+        """Take x and the rest from the initial arrays (subclasses add their optimizer state).
+
+        Raises
+        ------
+        ValueError
+            When ``spec`` (the clients' model description) does not match the arrays: the
+            message names the first differing tensor.
+
+        """
+        values = {name: arr.numpy() for name, arr in arrays.items()}
+        spec = spec_of_arrays(values) if spec is None else spec
+        spec.check_arrays(values)
+        self.spec = spec
+        self._layout = spec.layout
+        self._out = {name: a.dtype for name, a in values.items()}
+        self.x = torch.cat(
+            [
+                torch.from_numpy(np.ascontiguousarray(values[e.name], dtype=np.float32)).reshape(-1)
+                for e in spec.trainable
+            ]
+        ).clone()
+        self._rest = {e.name: np.array(values[e.name]) for e in spec.rest}
 
     def arrays(self) -> ArrayRecord:
-        """The global model x as an ArrayRecord with the initial names and shapes."""
-        assert self.x is not None
-        return unflatten(self.x, self._layout)
+        """The global model as an ArrayRecord with the initial names, shapes and dtypes (a state_dict)."""
+        assert self.x is not None and self.spec is not None
+        flat, offset, out = self.x.numpy(), 0, {}
+        for e in self.spec.trainable:
+            out[e.name] = flat[offset : offset + e.size].reshape(e.shape).astype(self._out[e.name], copy=False)
+            offset += e.size
+        for e in self.spec.of_kind("alias"):
+            out[e.name] = out[e.target] if e.target in out else self._rest[e.target]
+        out |= self._rest
+        return ArrayRecord({name: to_array(out[name]) for name in self._out})  # the values copied once
 
+    # ------------------------------------------------------------------ nodes
     def partition_of(self, node_id: int) -> int:
-        """The partition id a node said it trains on (-1 if unknown)."""
+        """The key a node is known by: its partition id, or its node id (-1 if unknown)."""
         return self._pid_of.get(node_id, -1)
 
     def _reply_node(self, reply: Message, sent: Iterable[Message] | None = None) -> tuple[int, int]:
-        """The node a reply speaks for and its partition id (-1 if unknown).
+        """The node a reply speaks for and its key (-1 if unknown).
 
         A node's own reply: its sender. When a node stops heartbeating, the SuperLink answers
         the message sent to it with an error of its own (sender ``SUPERLINK_NODE_ID``); that
@@ -168,8 +212,11 @@ class ServerModelStrategy(Strategy):
         """What a hello carries (subclasses add their keys)."""
         return ConfigRecord()
 
+    def _check_hello(self, node_id: int, record: ConfigRecord | MetricRecord) -> None:
+        """Raise RejectedReply for a hello this strategy cannot work with (subclasses check the model)."""
+
     def _on_new_node(self, pid: int, node_id: int, version: int, previous: int | None) -> None:
-        """A node introduced itself (``previous``: the node id this partition had before)."""
+        """A node introduced itself (``previous``: the node id this key had before)."""
         if previous is not None:
             log(WARNING, "partition %d: node %d replaces node %d (a restarted SuperNode?)", pid, node_id, previous)
 
@@ -177,47 +224,121 @@ class ServerModelStrategy(Strategy):
         """Wait for ``min_available_nodes``; say hello to new node ids; the connected nodes we know."""
         connected = list(grid.get_node_ids())
         while len(connected) < self.min_available_nodes:
-            log(INFO, "waiting for nodes: %d of %d connected", len(connected), self.min_available_nodes)
+            log(
+                INFO,
+                "waiting for nodes: %d of %d connected (min_available_nodes; run config 'min-available-nodes')",
+                len(connected),
+                self.min_available_nodes,
+            )
             time.sleep(1.0)
             connected = list(grid.get_node_ids())
-        new = [n for n in connected if n not in self._pid_of]
+        new = [n for n in connected if n not in self._pid_of and n not in self._refused]
         if new:
             content = RecordDict({HELLO: self._hello_config(server_round)})
             group = f"hello-{server_round}"
-            hellos = [
-                Message(content=content, dst_node_id=n, message_type=MessageType.QUERY, group_id=group) for n in new
-            ]
+            hellos = [Message(content=content, dst_node_id=n, message_type=HELLO_TYPE, group_id=group) for n in new]
             for reply in grid.send_and_receive(hellos, timeout=self.query_timeout):
-                node_id, _ = self._reply_node(reply, hellos)
-                try:
-                    if reply.has_error():
-                        raise RejectedReply(error_text(reply))
-                    if node_id not in new:
-                        raise RejectedReply("no hello was sent to this node")
-                    values = read_metrics(reply.content, HELLO, ("partition-id", "version"), extra_ok=True)
-                    pid, version = values["partition-id"], values["version"]
-                    if not (isinstance(pid, int) and pid >= 0 and isinstance(version, int) and version >= -1):
-                        raise RejectedReply(f"partition-id {pid!r} / version {version!r} are not valid integers")
-                except (RejectedReply, KeyError, TypeError) as err:
-                    log(WARNING, "round %d: rejected hello from node %d: %s", server_round, node_id, err)
-                    continue
-                previous = self._node_of.get(pid)
-                if previous is not None:
-                    self._pid_of.pop(previous, None)
-                self._pid_of[node_id] = pid
-                self._node_of[pid] = node_id
-                self._on_new_node(pid, node_id, version, previous)
+                self._greet(reply, hellos, new, server_round)
         return [n for n in connected if self._pid_of.get(n) is not None and self._node_of[self._pid_of[n]] == n]
 
-    def _sample(self, grid: Grid, server_round: int) -> list[int]:
-        """Node ids of the partitions sampled for ``server_round`` (seeded by round, see the class doc)."""
+    def _greet(self, reply: Message, hellos: list[Message], new: list[int], server_round: int) -> None:
+        """Take one answer to a hello: the node's key and version, or a logged refusal."""
+        node_id, _ = self._reply_node(reply, hellos)
+        try:
+            if reply.has_error():
+                raise RejectedReply(error_text(reply))
+            if node_id not in new:
+                raise RejectedReply("no hello was sent to this node")
+            record = reply.content[HELLO] if HELLO in reply.content else None
+            if not isinstance(record, (ConfigRecord, MetricRecord)):
+                raise RejectedReply(f"no '{HELLO}' record with the node's partition-id and version")
+            pid, version = record.get("partition-id"), record.get("version")
+            if not all(isinstance(v, int) and not isinstance(v, bool) and v >= -1 for v in (pid, version)):
+                raise RejectedReply(f"partition-id {pid!r} / version {version!r} are not valid integers")
+            key = pid if pid >= 0 else node_id
+            owner = self._node_of.get(key)
+            if pid < 0 and owner is not None and owner != node_id:
+                raise RejectedReply(f"node id {node_id} is already the partition id of node {owner}")
+            self._check_hello(node_id, record)
+        except (RejectedReply, KeyError, TypeError) as err:
+            if isinstance(err, RejectedReply) and err.final:
+                self._refused[node_id] = str(err)
+            log(WARNING, "round %d: rejected hello from node %d: %s", server_round, node_id, err)
+            return
+        previous = self._node_of.get(key)
+        if previous is not None:
+            self._pid_of.pop(previous, None)
+        self._pid_of[node_id] = key
+        self._node_of[key] = node_id
+        self._on_new_node(key, node_id, version, previous)
+
+    def _sample(self, grid: Grid, server_round: int, *, evaluate: bool = False) -> list[int]:
+        """Node ids of the keys sampled for ``server_round`` (seeded by round, see the class doc).
+
+        ``evaluate``: the federated evaluation's sample (``fraction_evaluate``,
+        ``min_evaluate_nodes``, its own stream of the seeded generator).
+        """
         nodes = self._discover(grid, server_round)
+        fraction = self.fraction_evaluate if evaluate else self.fraction_train
+        minimum = self.min_evaluate_nodes if evaluate else self.min_train_nodes
         pids = sorted(self._pid_of[n] for n in nodes)
-        k = min(len(pids), max(self.min_train_nodes, int(len(pids) * self.fraction_train)))
+        k = min(len(pids), max(minimum, int(len(pids) * fraction)))
         if k < len(pids):
-            pids = sorted(np.random.default_rng([self.sample_seed, server_round]).choice(pids, k, replace=False))
-        log(INFO, "configure_train: sampled %d nodes (out of %d)", len(pids), len(nodes))
+            keys = [self.sample_seed, server_round] + ([1] if evaluate else [])
+            pids = sorted(np.random.default_rng(keys).choice(pids, k, replace=False))
+        what = "configure_evaluate" if evaluate else "configure_train"
+        log(INFO, "%s: sampled %d nodes (out of %d)", what, len(pids), len(nodes))
         return [self._node_of[int(p)] for p in pids]
+
+    # ------------------------------------------------------------------ federated evaluation
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Flower's evaluate messages ("arrays": the full model, "config"), as FedAvg sends them.
+
+        The sample is drawn as the training sample is (seeded by the round, ``fraction_evaluate``
+        and ``min_evaluate_nodes``). Each message carries the whole model in float32: with
+        ``fraction_evaluate = 0`` (the default) nothing is sent and the model is evaluated on the
+        server only (``evaluate_fn``).
+        """
+        if not self.fraction_evaluate or self.x is None:
+            return []
+        node_ids = self._sample(grid, server_round, evaluate=True)
+        config = ConfigRecord(dict(config))
+        config["server-round"] = server_round
+        content = RecordDict({"arrays": self.arrays(), "config": config})
+        self._evaluating = set(node_ids)
+        return [
+            Message(content=content, dst_node_id=n, message_type=MessageType.EVALUATE, group_id=str(server_round))
+            for n in node_ids
+        ]
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        """The example-weighted mean of the replies' metrics (``num-examples``), as FedAvg's."""
+        valid = []
+        for msg in replies:
+            try:
+                if msg.has_error():
+                    raise RejectedReply(error_text(msg))
+                if msg.metadata.src_node_id not in self._evaluating:
+                    raise RejectedReply("no evaluate message was sent to this node")
+                records = list(msg.content.metric_records.values())
+                if len(records) != 1 or not isinstance(records[0].get("num-examples"), int):
+                    raise RejectedReply("expected one MetricRecord with an integer 'num-examples'")
+                if records[0]["num-examples"] < 1:
+                    raise RejectedReply("'num-examples' must be >= 1")
+            except RejectedReply as err:
+                log(
+                    WARNING,
+                    "round %d: rejected evaluate reply from node %d: %s",
+                    server_round,
+                    msg.metadata.src_node_id,
+                    err,
+                )
+                continue
+            valid.append(msg.content)
+        self._evaluating = set()
+        return aggregate_metricrecords(valid, "num-examples") if valid else None
 
     # ------------------------------------------------------------------ the round loop
     def start(
@@ -236,14 +357,17 @@ class ServerModelStrategy(Strategy):
         """Flower's ``Strategy.start`` loop, from ``start_round`` (a resume), with a per-round hook.
 
         As Flower's: rounds ``start_round`` … ``num_rounds`` of configure/send/aggregate
-        train, then ``evaluate_fn(round, arrays)``; ``evaluate_fn(0, …)`` before round 1
-        (not when resuming). There is no federated evaluation. ``on_round_end(round)`` runs
-        after each round's evaluation (the server app writes checkpoints there).
+        train, federated evaluation (when ``fraction_evaluate`` > 0), then
+        ``evaluate_fn(round, arrays)``; ``evaluate_fn(0, …)`` before round 1 (not when
+        resuming). ``on_round_end(round)`` runs after each round's evaluation (the server app
+        writes checkpoints there).
         """
         log(INFO, "Starting %s strategy (rounds %d to %d):", type(self).__name__, start_round, num_rounds)
         self.summary()
         self.query_timeout = timeout
+        self.num_rounds = num_rounds
         train_config = ConfigRecord() if train_config is None else train_config
+        evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
         result = Result()
         t_start = time.time()
         arrays = initial_arrays
@@ -263,6 +387,12 @@ class ServerModelStrategy(Strategy):
             if agg_metrics is not None:
                 log(INFO, "\t└──> Aggregated MetricRecord: %s", agg_metrics)
                 result.train_metrics_clientapp[current_round] = agg_metrics
+            evaluations = list(self.configure_evaluate(current_round, arrays, evaluate_config, grid))
+            if evaluations:
+                agg_eval = self.aggregate_evaluate(current_round, grid.send_and_receive(evaluations, timeout=timeout))
+                if agg_eval is not None:
+                    log(INFO, "\t└──> Aggregated evaluation MetricRecord: %s", agg_eval)
+                    result.evaluate_metrics_clientapp[current_round] = agg_eval
             if evaluate_fn:
                 res = evaluate_fn(current_round, arrays)
                 if res is not None:
@@ -279,33 +409,30 @@ class ServerModelStrategy(Strategy):
         """Everything the strategy needs to go on from here (torch-saveable)."""
         return {
             "x": None if self.x is None else self.x.clone(),
-            "layout": list(self._layout),
+            "spec": None if self.spec is None else self.spec.encode(),
+            "rest": {name: torch.from_numpy(a.copy()) for name, a in self._rest.items()},
+            "out-dtypes": {name: str(dtype) for name, dtype in self._out.items()},
             "partitions": dict(self._node_of),  # only informative: node ids change after a resume
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Go on from :meth:`state_dict` (node ids are forgotten: nodes say hello again)."""
         self.x = None if state["x"] is None else state["x"].clone()
-        self._layout = [(name, tuple(shape)) for name, shape in state["layout"]]
-        self._pid_of, self._node_of = {}, {}
+        self.spec = None if state["spec"] is None else ModelSpec.decode(state["spec"])
+        self._layout = [] if self.spec is None else self.spec.layout
+        self._rest = {name: t.numpy().copy() for name, t in state["rest"].items()}
+        self._out = {name: np.dtype(dtype) for name, dtype in state["out-dtypes"].items()}
+        self._pid_of, self._node_of, self._refused = {}, {}, {}
 
     def _log_sampling(self) -> None:
         """The sampling line of ``summary()``."""
         log(
             INFO,
-            "\t└──> Sampling: fraction_train=%.2f | min_train_nodes=%d | min_available_nodes=%d | min_replies=%d",
+            "\t└──> Sampling: fraction_train=%.2f | min_train_nodes=%d | min_available_nodes=%d | min_replies=%d"
+            " | fraction_evaluate=%.2f",
             self.fraction_train,
             self.min_train_nodes,
             self.min_available_nodes,
             self.min_replies,
+            self.fraction_evaluate,
         )
-
-    def configure_evaluate(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        """No federated evaluation: x is evaluated on the server (``evaluate_fn``)."""
-        return []
-
-    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        """Nothing to aggregate (see :meth:`configure_evaluate`)."""
-        return None

@@ -16,7 +16,7 @@ from flwr.serverapp import Grid
 from flwr.supercore import log
 
 from .. import codec, lion, quantizers
-from ..model import layer_mask, layout_fingerprint
+from ..params import LayoutError, ModelSpec, average_buffers, layer_mask, layout_fingerprint, state_checksum
 from ..protocol import (
     CLIENT_STATE_ERROR,
     CONFIG,
@@ -25,9 +25,11 @@ from ..protocol import (
     METRICS,
     MOMENTUM,
     REPLY_METRICS,
+    REST,
     SEED_MISMATCH,
     SIGN_STYPE,
     UPDATE,
+    USER_CONFIG,
     RejectedReply,
     check_envelope,
     checksum,
@@ -62,6 +64,7 @@ class _Reply:
     levels: torch.Tensor | None  # sum upload: the decoded levels Uᵢ + K (decoded once, when validated)
     scales: torch.Tensor | None  # ef-sign upload: one float32 per tensor
     momentum: torch.Tensor | None  # momentum-sync round: the client's momentum of the synced layers
+    buffers: torch.Tensor | None  # buffer round: the client's buffers, flat float32
     values: dict[str, float]
 
 
@@ -76,6 +79,7 @@ class _Round:
     seeded: set[int] = field(default_factory=set)  # nodes told to build x₀ from the seed
     chain_lengths: dict[int, int] = field(default_factory=dict)  # node id → number of Δs sent
     momentum_sync: bool = False  # clients upload their momentum this round
+    buffer_sync: bool = False  # clients upload their buffers this round
     bytes_down: int = 0
     bytes_down_fp32: int = 0
 
@@ -94,6 +98,11 @@ class DistributedLion(ServerModelStrategy):
     parameter for a vote between an odd number of clients, 1.6 bits with possible ties,
     ⌈log₂(n+1)⌉ bits for the mean); new or lost clients receive the full model (or, with
     ``init_seed``, the seed of x₀ and the Δs since).
+
+    Used as Flower's ``FedAvg`` is: ``strategy.start(grid, ArrayRecord(model.state_dict()),
+    num_rounds, evaluate_fn=...)``, with :class:`~flower_dlion.DLionClient` on the nodes. Each
+    node describes its model in its hello; x is the trainable parameters, the rest of the
+    state_dict (frozen parameters, buffers) is handled as :mod:`flower_dlion.params` says.
 
     Beyond the paper (each off by default): K ``local_steps`` per round, where client i
     uploads Uᵢ = Σₖ δₖ as its sign, as the integer (``upload="sum"``, FedLion) or as a
@@ -119,10 +128,16 @@ class DistributedLion(ServerModelStrategy):
         Lion's momentum decay, sent to the clients.
     fraction_train : float (default: 1.0)
         Fraction of connected nodes sampled each round.
+    fraction_evaluate : float (default: 0.0)
+        Fraction of nodes sent Flower's own evaluate message after each round (the full
+        float32 model: your ``@app.evaluate()`` handler works unchanged, at 32 bits per
+        parameter); 0: evaluation on the server only (``evaluate_fn``).
     min_train_nodes : int (default: 2)
         Minimum number of nodes sampled each round.
+    min_evaluate_nodes : int (default: 2)
+        Minimum number of nodes evaluated, with ``fraction_evaluate`` > 0.
     min_available_nodes : int (default: 2)
-        Wait until this many nodes are connected before sampling.
+        Wait until this many nodes are connected before sampling (1 for a one-node federation).
     min_replies : int (default: 1)
         A round with fewer valid replies applies no update.
     max_history_bytes : int | None (default: None)
@@ -143,11 +158,18 @@ class DistributedLion(ServerModelStrategy):
         sends them the average; 0 never does.
     momentum_sync_layers : sequence of str (default: ())
         Parameter-name prefixes of the momenta to synchronize; empty means all.
+    buffer_sync_every : int (default: 10)
+        In round 1, every R-th round and the last round of ``start``, clients with buffers
+        (BatchNorm statistics) upload them (float32) and the server's copy becomes their
+        example-weighted mean (``params.average_buffers``); clients keep their own (FedBN).
+        0 never does (the server keeps the initial buffers).
     init_seed : int | None (default: None)
-        When the initial model is ``model.seeded_net(init_seed)``, a new node is sent the
-        seed (and a checksum) instead of the full model.
+        When the initial model is the clients' ``model_fn()`` built after
+        ``torch.manual_seed(init_seed)``, a new node is sent the seed (and a checksum) instead
+        of the full model.
     sample_seed : int (default: 0)
-        Seed of the partition sampling (round t samples with ``default_rng([seed, t])``).
+        Seed of the partition sampling (round t samples with ``default_rng([seed, t])``),
+        also sent to the clients (their batch order and coin flips).
     state_key : str (default: "")
         The run's identity for clients that keep their state in files (run config
         ``client-state-dir``); kept in checkpoints so that a resumed run finds the files.
@@ -181,7 +203,9 @@ class DistributedLion(ServerModelStrategy):
         beta1: float = 0.9,
         beta2: float = 0.99,
         fraction_train: float = 1.0,
+        fraction_evaluate: float = 0.0,
         min_train_nodes: int = 2,
+        min_evaluate_nodes: int = 2,
         min_available_nodes: int = 2,
         min_replies: int = 1,
         max_history_bytes: int | None = None,
@@ -191,6 +215,7 @@ class DistributedLion(ServerModelStrategy):
         broadcast_bits: int = 0,
         momentum_sync_every: int = 0,
         momentum_sync_layers: Sequence[str] = (),
+        buffer_sync_every: int = 10,
         init_seed: int | None = None,
         sample_seed: int = 0,
         state_key: str = "",
@@ -204,8 +229,9 @@ class DistributedLion(ServerModelStrategy):
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if not 0 <= broadcast_bits <= 8:
             raise ValueError(f"broadcast_bits must be in [0, 8] (0: exact), got {broadcast_bits}")
-        if momentum_sync_every < 0:
-            raise ValueError(f"momentum_sync_every must be >= 0 (0: never), got {momentum_sync_every}")
+        for name, value in (("momentum_sync_every", momentum_sync_every), ("buffer_sync_every", buffer_sync_every)):
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0 (0: never), got {value}")
         if upload == "ef-sign" and aggregation == "mean" and broadcast_bits == 0:
             raise ValueError("upload='ef-sign' with aggregation='mean' needs broadcast_bits >= 1 (no exact form)")
         super().__init__(
@@ -214,6 +240,8 @@ class DistributedLion(ServerModelStrategy):
             min_available_nodes=min_available_nodes,
             min_replies=min_replies,
             sample_seed=sample_seed,
+            fraction_evaluate=fraction_evaluate,
+            min_evaluate_nodes=min_evaluate_nodes,
         )
         check_common_args(
             lr=lr,
@@ -239,6 +267,7 @@ class DistributedLion(ServerModelStrategy):
         self.broadcast_bits = broadcast_bits
         self.momentum_sync_every = momentum_sync_every
         self.momentum_sync_layers = tuple(momentum_sync_layers)
+        self.buffer_sync_every = buffer_sync_every
         self.init_seed = init_seed
         self.state_key = state_key
         self.checkpoint_round = 0  # the latest checkpoint's round (clients keep their state as of it)
@@ -254,6 +283,9 @@ class DistributedLion(ServerModelStrategy):
         self._seed_failed: set[int] = set()  # partitions whose x₀ from the seed did not match
         self._x0_checksum = 0
         self._state_resets = 0  # nodes found without their state since the last round
+        self._initial: dict[str, np.ndarray] | None = None  # the initial arrays, until x is made from them
+        self._described: ModelSpec | None = None  # the model description the first valid hello gave
+        self._layout_errors: list[str] = []  # hellos refused because the model does not match
         self.history: list[dict[str, Any]] = []  # one dict of metrics per aggregated round
 
     # ------------------------------------------------------------------ summary
@@ -287,33 +319,69 @@ class DistributedLion(ServerModelStrategy):
             )
         self._log_sampling()
 
-    @property
-    def sizes(self) -> list[int]:
-        """Number of values of each tensor, in flat order."""
-        return [int(np.prod(shape, dtype=np.int64)) for _, shape in self._layout]
-
     # ------------------------------------------------------------------ train
-    def _init_model(self, arrays: ArrayRecord) -> None:
+    def _init_model(self, arrays: ArrayRecord, spec: ModelSpec | None = None) -> None:
         """Take x from the initial arrays; set up the momentum mask and the x₀ checksum."""
-        super()._init_model(arrays)
+        super()._init_model(arrays, spec)
         assert self.x is not None
         self._mask = layer_mask(self._layout, self.momentum_sync_layers)
-        self._x0_checksum = checksum(self.x)
+        self._x0_checksum = state_checksum(self.x, self._rest)
+
+    def _check_hello(self, node_id: int, record: ConfigRecord | MetricRecord) -> None:
+        """Refuse a node whose model does not match the initial arrays or the federation's model.
+
+        The first description that matches the initial arrays becomes the federation's (which
+        arrays are x); a hello without one (a client of another library) is taken as it is.
+        """
+        if "model" not in record:
+            return
+        try:
+            spec = ModelSpec.decode(record["model"])  # type: ignore[arg-type]
+        except (ValueError, TypeError) as err:
+            raise RejectedReply(str(err), final=True) from err
+        reference = self.spec if self.spec is not None else self._described
+        try:
+            if reference is not None:
+                reference.check_same(spec, theirs=f"node {node_id}", ours="the server")
+                return
+            assert self._initial is not None, "a hello before configure_train"
+            spec.check_arrays(self._initial)
+        except LayoutError as err:
+            why = f"its model does not match the {'federation' if reference else 'initial arrays'}: {err}"
+            self._layout_errors.append(f"node {node_id}: {why}")
+            raise RejectedReply(why, final=True) from err
+        self._described = spec
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """Sample nodes and send each one only what it lacks to reach the current x."""
+        """Sample nodes and send each one only what it lacks to reach the current x.
+
+        Raises
+        ------
+        ValueError
+            In the first round, when no node's model matches the initial arrays (the message
+            names the first differing tensor): nothing has been trained.
+
+        """
         if self.x is None:
-            self._init_model(arrays)
-        assert self.x is not None
+            self._initial = {name: arr.numpy() for name, arr in arrays.items()}
         node_ids = self._sample(grid, server_round)
+        if self.x is None:
+            if self._described is None and self._layout_errors:
+                raise ValueError("no node's model matches the initial arrays; " + "; ".join(self._layout_errors[:3]))
+            self._init_model(arrays, self._described)
+            self._initial = None
+        assert self.x is not None
         rnd = _Round(server_round, self.version, checksum(self.x))
         rnd.momentum_sync = bool(self.momentum_sync_every) and server_round % self.momentum_sync_every == 0
+        rnd.buffer_sync = self._buffer_round(server_round)
         self._round = rnd
         messages = []
         for node_id in node_ids:
-            content, kind, payload_len = self._content_for(node_id, server_round, config, rnd)
+            content, kind, payload_len = self._content_for(node_id, server_round, rnd)
+            if len(config):  # the ServerApp's train_config, where FedAvg puts it
+                content[USER_CONFIG] = config
             if self._momentum_avg is not None:  # the average of the last sync round's momenta
                 content[MOMENTUM] = ArrayRecord({"m": Array(self._momentum_avg.numpy())})
             msg = Message(
@@ -329,10 +397,17 @@ class DistributedLion(ServerModelStrategy):
         self._outbox = messages
         return messages
 
-    def _round_config(self, server_round: int, config: ConfigRecord, rnd: _Round) -> ConfigRecord:
+    def _buffer_round(self, server_round: int) -> bool:
+        """Whether clients upload their buffers this round (see ``buffer_sync_every``)."""
+        every = self.buffer_sync_every
+        if not (every and self.spec is not None and self.spec.buffers):
+            return False
+        return server_round == 1 or server_round % every == 0 or server_round == self.num_rounds
+
+    def _round_config(self, server_round: int, rnd: _Round) -> ConfigRecord:
         """The keys every client gets this round (non-default options only, to save bytes)."""
-        cfg = ConfigRecord(dict(config))
-        cfg.update({"server-round": server_round, "version": self.version, "beta1": self.beta1, "beta2": self.beta2})
+        cfg = ConfigRecord({"server-round": server_round, "version": self.version, "seed": self.sample_seed})
+        cfg.update({"beta1": self.beta1, "beta2": self.beta2})
         if self.local_steps > 1:
             cfg.update({"local-steps": self.local_steps, "local-lr": self.lr, "local-weight-decay": self.weight_decay})
         if self.accumulate > 1:
@@ -341,6 +416,8 @@ class DistributedLion(ServerModelStrategy):
             cfg["upload"] = self.upload
         if rnd.momentum_sync:
             cfg["momentum-sync"] = 1
+        if rnd.buffer_sync:
+            cfg["buffers"] = 1
         if self.momentum_sync_every and self.momentum_sync_layers:
             cfg["momentum-sync-layers"] = ",".join(self.momentum_sync_layers)
         if self.state_key:
@@ -371,12 +448,10 @@ class DistributedLion(ServerModelStrategy):
             " and starts a fresh momentum" if version < 0 else "",
         )
 
-    def _content_for(
-        self, node_id: int, server_round: int, config: ConfigRecord, rnd: _Round
-    ) -> tuple[RecordDict, str, int]:
+    def _content_for(self, node_id: int, server_round: int, rnd: _Round) -> tuple[RecordDict, str, int]:
         """The message content for one node, its kind, and its payload length in bytes."""
         assert self.x is not None
-        cfg = self._round_config(server_round, config, rnd)
+        cfg = self._round_config(server_round, rnd)
         pid = self.partition_of(node_id)
         have = self._version_of.get(pid)
         if have is None and self.init_seed is not None and pid not in self._seed_failed:
@@ -412,8 +487,10 @@ class DistributedLion(ServerModelStrategy):
             array = Array(dtype="level", shape=(len(chain) * self.num_parameters,), stype=LEVELS_STYPE, data=payload)
             return RecordDict({CONFIG: cfg, UPDATE: ArrayRecord({"payload": array})}), "deltas", len(payload)
         cfg.update({"kind": "full", "base-version": -1, "layout": layout_fingerprint(self._layout)})
-        array = to_array(self.x.numpy())
-        return RecordDict({CONFIG: cfg, UPDATE: ArrayRecord({"payload": array})}), "full", 4 * self.num_parameters
+        content = RecordDict({CONFIG: cfg, UPDATE: ArrayRecord({"payload": to_array(self.x.numpy())})})
+        if self._rest:  # frozen parameters and buffers
+            content[REST] = ArrayRecord({name: to_array(a) for name, a in self._rest.items()})
+        return content, "full", 4 * self.num_parameters
 
     def _chain_since(self, have: int) -> list[_Broadcast] | None:
         """The Δs from version ``have`` to now, if kept and smaller than the full model."""
@@ -438,6 +515,9 @@ class DistributedLion(ServerModelStrategy):
         if rnd.momentum_sync:
             assert self._mask is not None
             out["momentum"] = ("numpy.ndarray", "float32", 4 * int(self._mask.sum()))
+        if rnd.buffer_sync:
+            assert self.spec is not None
+            out["buffers"] = ("numpy.ndarray", "float32", 4 * self.spec.num_buffer_values)
         return out
 
     def _check_reply(self, msg: Message, rnd: _Round) -> _Reply:
@@ -456,7 +536,7 @@ class DistributedLion(ServerModelStrategy):
             arr = record[name]
             if not isinstance(arr, Array):
                 raise RejectedReply(f"{name!r} is a {type(arr).__name__}, expected an Array")
-            if dtype == "float32":  # scales and momenta: exact shape and size, finite
+            if dtype == "float32":  # scales, momenta and buffers: exact shape and size, finite
                 a = torch.from_numpy(float_array(arr, (nbytes // 4,), name).copy())
                 if not bool(torch.isfinite(a).all()) or (name == "scales" and bool((a < 0).any())):
                     raise RejectedReply(
@@ -491,7 +571,8 @@ class DistributedLion(ServerModelStrategy):
                 "full resync next round",
                 resync=True,
             )
-        return _Reply(node_id, main.data, levels, floats.get("scales"), floats.get("momentum"), values)
+        momentum, buffers = floats.get("momentum"), floats.get("buffers")
+        return _Reply(node_id, main.data, levels, floats.get("scales"), momentum, buffers, values)
 
     def _aggregate(self, replies: list[_Reply]) -> tuple[codec.PackedAggregate, tuple[float, ...] | None]:
         """Δ of n valid replies: its levels, broadcast bytes and per-tensor scales, with S's ties and Σ|S|.
@@ -622,6 +703,8 @@ class DistributedLion(ServerModelStrategy):
             if rnd.momentum_sync:
                 momenta = [r.momentum for r in valid if r.momentum is not None]
                 self._momentum_avg = torch.stack(momenta).mean(0)
+            if rnd.buffer_sync:
+                self._average_buffers(valid)
         else:
             log(WARNING, "round %d: %d valid replies < min_replies=%d, x unchanged", server_round, n, self.min_replies)
 
@@ -652,6 +735,13 @@ class DistributedLion(ServerModelStrategy):
         self._round = None
         self._state_resets = 0
         return self.arrays(), MetricRecord(metrics)
+
+    def _average_buffers(self, replies: list[_Reply]) -> None:
+        """The server's buffers ← the example-weighted mean of the replies' (``params.average_buffers``)."""
+        assert self.spec is not None
+        uploads = [r.buffers.numpy() for r in replies if r.buffers is not None]
+        weights = [r.values["num-examples"] for r in replies if r.buffers is not None]
+        self._rest.update(average_buffers(self.spec, uploads, weights))
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

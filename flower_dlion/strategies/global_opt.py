@@ -19,7 +19,7 @@ from flwr.serverapp import Grid
 from flwr.supercore import log
 
 from .. import codec, lion, quantizers
-from ..model import layout_fingerprint
+from ..params import layout_fingerprint
 from ..protocol import (
     GRAD_CONFIG,
     GRAD_METRICS,
@@ -157,7 +157,7 @@ class GlobalOptimizer(ServerModelStrategy):
     def _init_model(self, arrays: ArrayRecord) -> None:
         super()._init_model(arrays)
         assert self.x is not None
-        self._sizes = [int(np.prod(shape, dtype=np.int64)) for _, shape in self._layout]
+        self._sizes = self.sizes
         if self.optimizer == "lion":
             self._m = torch.zeros_like(self.x)
         else:

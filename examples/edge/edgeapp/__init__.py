@@ -1,0 +1,1 @@
+"""edgeapp: Distributed Lion on devices that each hold their own data."""

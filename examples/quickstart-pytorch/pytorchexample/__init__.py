@@ -1,0 +1,1 @@
+"""pytorchexample: A Flower / PyTorch app."""

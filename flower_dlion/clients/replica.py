@@ -1,0 +1,153 @@
+"""Bringing a client's replica to the server's version: the full model, x₀ from a seed, or the missed Δs.
+
+What a train message says about x (``protocol.CONFIG`` ``kind``):
+
+* ``"full"``: the whole model (x, and the rest of the model: frozen parameters and buffers);
+* ``"deltas"``: the encoded Δs from ``base-version`` to ``version``, applied in order as the
+  server applied them, ``x ← x − lr·(Δ + wd·x)`` (:func:`quantizers.apply_delta_`); Δs the
+  replica already has (its reply was lost) are skipped;
+* ``"none"``: the replica is current;
+* with ``init-seed`` (a node without state, ``init = "seed"``): build x₀ from the seed, check
+  it against the server's checksum, then apply the Δs since version 0.
+
+Anything that does not fit the replica raises :class:`ClientStateError`; the state is then
+left as it was and the server sends the full model next time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from flwr.app import RecordDict
+
+from .. import codec, quantizers
+from ..params import ModelSpec, layout_fingerprint, state_checksum
+from ..protocol import CONFIG, LEVELS_STYPE, REST, SEED_MISMATCH, UPDATE
+from .state import ClientStateError, ReplicaState
+
+__all__ = ["SeedFn", "apply_message"]
+
+SeedFn = Callable[[int], tuple[torch.Tensor, dict[str, torch.Tensor]]]  # seed → (x₀, rest₀) on the device
+
+
+def apply_message(
+    content: RecordDict,
+    state: ReplicaState | None,
+    spec: ModelSpec,
+    device: torch.device,
+    node_id: int,
+    seed_fn: SeedFn | None = None,
+) -> ReplicaState:
+    """The replica at the version the server sent (``state`` is updated in place where it can be)."""
+    cfg = content[CONFIG]
+    kind, version, d = cfg["kind"], int(cfg["version"]), spec.d
+    if kind == "full" or (state is None and "init-seed" in cfg):
+        _check_layout(cfg, spec, node_id)
+    if kind == "full":
+        payload = content[UPDATE]["payload"].numpy()
+        if payload.shape != (d,) or payload.dtype != np.float32:
+            raise ClientStateError(
+                f"node {node_id}: full model has {payload.shape} {payload.dtype}, expected ({d},) float32"
+            )
+        x = torch.from_numpy(payload.copy()).to(device)
+        rest = _received_rest(content, spec, device, node_id)
+        if state is None:
+            return ReplicaState(x, torch.zeros(d, device=device), version, rest=rest)
+        return ReplicaState(x, state.m, version, state.error, rest=rest)  # a resync keeps its momentum
+    if state is None and "init-seed" in cfg:
+        state = _seeded_state(cfg, spec, device, node_id, seed_fn)
+    if state is None:
+        raise ClientStateError(
+            f"node {node_id} has no replica (new node, or its state was lost) but received kind={kind!r}; "
+            "the server must send the full model"
+        )
+    base = int(cfg["base-version"])
+    if kind == "none" and state.version != base:
+        raise ClientStateError(f"node {node_id}: replica at version {state.version}, server's is {base}")
+    if not base <= state.version <= version:
+        raise ClientStateError(
+            f"node {node_id}: replica at version {state.version}, update goes from version {base} to {version}"
+        )
+    if kind == "deltas":
+        _apply_deltas(content, state, spec, device, node_id, skip=state.version - base)
+    elif kind != "none":
+        raise ClientStateError(f"node {node_id}: unknown update kind {kind!r}")
+    state.version = version
+    return state
+
+
+def _check_layout(cfg: dict, spec: ModelSpec, node_id: int) -> None:
+    ours = layout_fingerprint(spec.layout)
+    if cfg.get("layout", ours) != ours:
+        raise ClientStateError(f"node {node_id}: server model layout {cfg['layout']} != client's {ours}")
+
+
+def _received_rest(content: RecordDict, spec: ModelSpec, device: torch.device, node_id: int) -> dict[str, torch.Tensor]:
+    """The frozen parameters and buffers of a full model, checked against the spec."""
+    if not spec.rest:
+        return {}
+    record = content[REST] if REST in content else None
+    names = [e.name for e in spec.rest]
+    if record is None or list(record.keys()) != names:
+        got = [] if record is None else list(record.keys())
+        raise ClientStateError(
+            f"node {node_id}: full model's frozen parameters and buffers are {got}, expected {names}"
+        )
+    rest = {}
+    for e in spec.rest:
+        a = record[e.name].numpy()
+        if a.shape != e.shape:
+            raise ClientStateError(f"node {node_id}: {e.name!r} has shape {a.shape}, the model's is {e.shape}")
+        if a.dtype.kind in "fc" and not np.isfinite(a).all():
+            raise ClientStateError(f"node {node_id}: {e.name!r} has non-finite values")
+        rest[e.name] = torch.from_numpy(a.copy()).to(device)
+    return rest
+
+
+def _seeded_state(
+    cfg: dict, spec: ModelSpec, device: torch.device, node_id: int, seed_fn: SeedFn | None
+) -> ReplicaState:
+    """x₀ (and the rest) built from the server's seed, checked against the server's checksum."""
+    if seed_fn is None:
+        raise ClientStateError(f"node {node_id}: the server sent a seed, but this client cannot build x₀ from one")
+    x0, rest0 = seed_fn(int(cfg["init-seed"]))
+    mine = state_checksum(x0, rest0)
+    if x0.numel() != spec.d or mine != int(cfg["init-checksum"]):
+        raise ClientStateError(
+            f"node {node_id}: {SEED_MISMATCH} {cfg['init-seed']} has checksum {mine}, the server's is "
+            f"{cfg['init-checksum']} (a different torch version?); the server will send the full model"
+        )
+    return ReplicaState(
+        x0.to(device), torch.zeros(spec.d, device=device), 0, rest={k: v.to(device) for k, v in rest0.items()}
+    )
+
+
+def _apply_deltas(
+    content: RecordDict, state: ReplicaState, spec: ModelSpec, device: torch.device, node_id: int, *, skip: int
+) -> None:
+    """X ← x − lr·(Δ + wd·x) for each received Δ after the first ``skip`` (those x already has)."""
+    cfg, d, sizes = content[CONFIG], spec.d, spec.sizes
+    arr = content[UPDATE]["payload"]
+    if arr.stype != LEVELS_STYPE:
+        raise ClientStateError(f"node {node_id}: update stype {arr.stype!r}, expected {LEVELS_STYPE!r}")
+    buf = codec.as_uint8(arr.data).to(device)  # packed bytes go to the device
+    scales = list(cfg.get("scales", []))
+    if scales and len(scales) != len(cfg["num-levels"]) * len(sizes):
+        raise ClientStateError(
+            f"node {node_id}: {len(scales)} scales for {len(cfg['num-levels'])} Δs of a model of {len(sizes)} tensors"
+        )
+    offset = 0
+    for i, (num_levels, lr, wd) in enumerate(zip(cfg["num-levels"], cfg["lr"], cfg["weight-decay"], strict=True)):
+        size = codec.encoded_size(d, num_levels)
+        narrow = num_levels <= 256 and not scales  # bytes: a quarter of int32's memory; apply_levels_ reads them
+        levels = codec.decode_levels(buf[offset : offset + size], num_levels, d, torch.uint8 if narrow else torch.int32)
+        s = None
+        if scales:
+            s = torch.tensor(scales[i * len(sizes) : (i + 1) * len(sizes)], dtype=torch.float32, device=device)
+        if i >= skip:  # x ← x − lr·(Δ + wd·x), as the server applied it
+            quantizers.apply_delta_(state.x, levels, num_levels, s, sizes, lr, wd)
+        offset += size
+    if offset != buf.numel():
+        raise ClientStateError(f"node {node_id}: update has {buf.numel()} bytes, its Δs use {offset}")
