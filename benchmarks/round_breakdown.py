@@ -4,7 +4,7 @@ Runs one cell in-process (``LocalGrid``: every message and every node context go
 Flower's protobuf serialization, as on a SuperLink, minus the network) and times, exclusively
 (a nested timer's time is not counted twice), each part of a round:
 
-* ``gradient``: the clients' forward and backward passes (``model.flat_gradient``; FedAvg's
+* ``gradient``: the clients' forward and backward passes (``params.Binding.gradient``; FedAvg's
   local SGD loop is all in ``fedavg local training``);
 * ``client Lion/codec``: δ, momentum, packing, applying the received Δs;
 * ``client state (de)serialization``: ``context.state`` ↔ protobuf, both ways, every message;
@@ -40,10 +40,11 @@ import torch
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 
-from flower_dlion import local_grid, metering, server_app
+from flower_dlion import local_grid, metering, params, server_app
 from flower_dlion.clients import dlion as dlion_client
 from flower_dlion.clients import fedavg as fedavg_client
 from flower_dlion.clients import gradient as gradient_client
+from flower_dlion.clients import state
 from flower_dlion.strategies import dlion as dlion_strategy
 from flower_dlion.strategies import global_opt
 
@@ -77,8 +78,8 @@ def patch(obj: Any, name: str, category: str) -> None:
 
 def instrument() -> None:
     """Put timers on every part of a round (module-level names, as the code calls them)."""
-    for mod in (dlion_client, gradient_client):
-        patch(mod, "flat_gradient", "gradient")
+    patch(gradient_client, "flat_gradient", "gradient")
+    patch(params.Binding, "gradient", "gradient")
     patch(fedavg_client, "train", "fedavg local training")
     for name in ("apply_message",):
         patch(dlion_client, name, "client Lion/codec")
@@ -86,8 +87,8 @@ def instrument() -> None:
     patch(dlion_client.codec, "pack_signs", "client Lion/codec")
     patch(dlion_client.codec, "pack_local_step_", "client Lion/codec")
     patch(gradient_client, "encode_terngrad", "client Lion/codec")
-    for name in ("load_state", "save_state"):
-        patch(dlion_client, name, "client state (de)serialization")
+    for name in ("load", "save"):
+        patch(state.StateStore, name, "client state (de)serialization")
     for name in ("context_to_proto", "context_from_proto"):
         patch(local_grid, name, "client state (de)serialization")
     patch(local_grid, "_roundtrip", "message (de)serialization")

@@ -32,19 +32,12 @@ from flwr.app import Context, RecordDict
 from flwr.common.serde import context_from_proto, context_to_proto
 from flwr.proto.message_pb2 import Context as ProtoContext  # pylint: disable=no-name-in-module
 
-from flower_dlion.clients.dlion import (
-    ReplicaState,
-    _on_host,
-    _read_state_file,
-    _write_state_file,
-    load_state,
-    save_state,
-)
+from flower_dlion.clients.state import ReplicaState, StateStore, load_state, save_state
 
 
 def round_trip(context: Context, state: ReplicaState, dtype: str, d: int) -> int:
     """Store the state, serialize and parse the context, load the state; returns the serialized bytes."""
-    save_state(context, _on_host(state, dtype))
+    save_state(context, state.on_host(dtype))
     data = context_to_proto(context).SerializeToString()
     proto = ProtoContext()
     proto.ParseFromString(data)
@@ -55,18 +48,19 @@ def round_trip(context: Context, state: ReplicaState, dtype: str, d: int) -> int
 
 def save_and_load(context: Context, state: ReplicaState, dtype: str, d: int) -> None:
     """Our part of the round trip alone: store the state, load it from the same context (no serialization)."""
-    save_state(context, _on_host(state, dtype))
+    save_state(context, state.on_host(dtype))
     assert load_state(context, d, torch.device("cpu")) is not None
 
 
 def in_files(folder: Path, context: Context, state: ReplicaState, dtype: str, d: int) -> int:
     """A round with ``state-in-context = false``: write the state file, round-trip the context, read the file."""
     state.round += 1
-    _write_state_file(folder, _on_host(state, dtype), 0)
+    store = StateStore(context, in_context=False, folder=folder, as_of=state.round, keep_round=0)
+    store.save(state.on_host(dtype))
     proto = ProtoContext()
     proto.ParseFromString(context_to_proto(context).SerializeToString())
     assert context_from_proto(proto).state.get("dlion.state") is None
-    assert _read_state_file(folder, state.round, d, torch.device("cpu")) is not None
+    assert store.load(d, torch.device("cpu")) is not None
     return (folder / f"r{state.round}.pt").stat().st_size
 
 

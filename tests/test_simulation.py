@@ -49,3 +49,39 @@ def test_flower_simulation_reaches_well_above_chance(tmp_path) -> None:
     local_rows = [json.loads(line) for line in (local / "results.jsonl").read_text().splitlines()]
     assert [r["accuracy"] for r in local_rows] == [r["accuracy"] for r in rows]
     assert [r["train_loss"] for r in local_rows[1:]] == pytest.approx([r["train_loss"] for r in rows[1:]], rel=1e-9)
+
+
+def test_a_users_model_with_batchnorm_frozen_and_tied_weights_through_flowers_simulation(tmp_path) -> None:
+    # Prepare: the public API with tests/byom.py's model, 4 SuperNodes in Ray; bytes measured on the messages
+    import torch
+    from flwr.app import ArrayRecord
+
+    from flower_dlion import DistributedLion
+    from flower_dlion.metering import MeteredGrid
+
+    from . import byom
+
+    torch.manual_seed(0)
+    initial = byom.ByomNet().state_dict()
+    seen: dict = {}
+    server_app = ServerApp()
+
+    @server_app.main()
+    def main(grid: Grid, context: Context) -> None:
+        metered = MeteredGrid(grid)
+        strategy = DistributedLion(lr=1e-3, buffer_sync_every=5)
+        seen["result"] = strategy.start(metered, ArrayRecord(initial), num_rounds=6)
+        seen["history"], seen["d"] = strategy.history, strategy.num_parameters
+
+    # Execute
+    run_simulation(server_app=server_app, client_app=byom.app, num_supernodes=4)
+    # Assert: every reply valid in every round, so every replica's checksum equalled the server's x
+    history = seen["history"]
+    assert [h["num-replies"] for h in history] == [4] * 6
+    assert all(h["num-rejected"] == 0 and h["checksum-mismatches"] == 0 for h in history)
+    final = seen["result"].arrays.to_torch_state_dict()
+    assert torch.equal(final["frozen.weight"], initial["frozen.weight"])  # sent once, never updated
+    assert torch.equal(final["tied.weight"], final["proj.weight"])
+    assert int(final["bn.num_batches_tracked"]) == 6  # the buffers of round 6, the last, averaged
+    # 1 bit per trained parameter in the rounds without buffers (2–4): ≤ 1/31 of fp32 per reply
+    assert all(h["bytes-up"] / 4 <= 4 * seen["d"] / 31 for h in history[1:4])

@@ -2,9 +2,9 @@
 
 Usage::
 
-    python -m flower_dlion.study.report examples/study.toml [--tuning examples/tune.toml]
+    python -m flower_dlion.study.report examples/studies/study.toml [--tuning examples/studies/tune.toml]
         [--out docs/RESULTS.md] [--figures docs/figures]
-    python -m flower_dlion.study.report examples/beyond.toml --baselines examples/study.toml \
+    python -m flower_dlion.study.report examples/studies/beyond.toml --baselines examples/studies/study.toml \
         --reference fedavg-lr0.03 --section beyond
 
 Writes the generated part of ``--out`` between ``<!-- BEGIN GENERATED -->`` and

@@ -2,8 +2,9 @@
 
 Usage::
 
-    python -m flower_dlion.study.robustness examples/byzantine.toml --key byzantine-fraction --section byzantine
-    python -m flower_dlion.study.robustness examples/faults.toml --key fail-fraction --section faults --target 0.8
+    python -m flower_dlion.study.robustness examples/studies/byzantine.toml --key byzantine-fraction --section byzantine
+    python -m flower_dlion.study.robustness examples/studies/faults.toml --key fail-fraction --section faults \
+        --target 0.8
 
 One row per method (strategy or variant), one column per value of ``--key``; each entry is
 the final test accuracy, mean ± standard deviation over the seeds run, and with

@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m flower_dlion.study.sweep examples/study.toml [--workers 2] [--only PATTERN] [--dry-run]
+    python -m flower_dlion.study.sweep examples/studies/study.toml [--workers 2] [--only PATTERN] [--dry-run]
 
 The study file (TOML) names the grid, the run config shared by every cell and each
 strategy's hyperparameters (a list value sweeps that key, e.g. for tuning)::
@@ -229,7 +229,7 @@ def run_sweep(
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("study", type=Path, help="study file (TOML), e.g. examples/study.toml")
+    parser.add_argument("study", type=Path, help="study file (TOML), e.g. examples/studies/study.toml")
     parser.add_argument("--workers", type=int, default=1, help="cells run in parallel (default: 1)")
     parser.add_argument("--only", help="run only cells whose name contains this text")
     parser.add_argument("--dry-run", action="store_true", help="list the cells that would run")

@@ -2,7 +2,7 @@ r"""Time to accuracy under a bandwidth model, from a study's measured bytes and 
 
 Usage::
 
-    python -m flower_dlion.study.timemodel examples/study.toml examples/beyond.toml \\
+    python -m flower_dlion.study.timemodel examples/studies/study.toml examples/studies/beyond.toml \\
         --labels dlion-vote,global-adamw,fedavg-lr0.03,ef-sign-k40 --clients 8 --partition dirichlet-0.5 \\
         --target 0.8 --section time-model --out docs/PERFORMANCE.md
 
