@@ -128,7 +128,9 @@ def unpack_bits(packed: torch.Tensor | bytes | np.ndarray, d: int) -> torch.Tens
     return ((p.unsqueeze(1) >> shifts) & 1).view(-1)[:d].bool()
 
 
-def pack_signs(v: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+def pack_signs(
+    v: torch.Tensor, generator: torch.Generator | None = None, *, flips: list[int] | None = None
+) -> torch.Tensor:
     """Pack the signs of ``v`` into ⌈d/8⌉ bytes: bit 1 for v > 0, bit 0 for v < 0.
 
     Exact zeros have no 1-bit code. Sending them all as one fixed side would push every
@@ -142,18 +144,27 @@ def pack_signs(v: torch.Tensor, generator: torch.Generator | None = None) -> tor
     generator hands out without device work (:func:`flower_dlion.gpu_kernels.coin_stream`):
     nothing is synchronized. Elsewhere it is tensor operations on ``v``'s device
     (``torch.randint`` coins for all d values, used at the zeros).
+
+    ``flips``: a list to append the number of coin flips (exact zeros) to; on a CUDA device
+    that count is one more reduction over ``v``.
     """
     v = v if v.dim() == 1 else v.reshape(-1)
     if v.is_cuda and v.dtype == torch.float32 and (gpu := _gpu_kernels()) is not None:
+        if flips is not None:
+            flips.append(int(torch.count_nonzero(v == 0)))
         return gpu.pack_positive(v.contiguous(), generator)
     if v.is_cpu and v.dtype == torch.float32:
         host = v.contiguous().numpy()
         packed, zeros = _pack_positive_cpu(host)  # one pass on torch's threads (a second for the zeros, if any)
         if zeros is not None:  # set a coin flip's bit at each exact zero
             _set_coin_flips(packed, zeros, generator)
+        if flips is not None:
+            flips.append(_count_masks(zeros))
         return torch.from_numpy(packed)
     bits = v > 0
     zeros = v == 0
+    if flips is not None:
+        flips.append(int(torch.count_nonzero(zeros)))
     if bool(zeros.any()):
         coin = torch.randint(0, 2, (v.numel(),), generator=generator, device=v.device, dtype=torch.uint8)
         bits = torch.where(zeros, coin.bool(), bits)
@@ -161,6 +172,15 @@ def pack_signs(v: torch.Tensor, generator: torch.Generator | None = None) -> tor
 
 
 _MASKS = np.dtype("<u8")  # zero masks, a word per 64 values: viewed as bytes, laid out as the packed bits
+
+
+def _count_masks(zeros: np.ndarray | None) -> int:
+    """Number of set bits in the zero masks (0 for none)."""
+    if zeros is None:
+        return 0
+    if hasattr(np, "bitwise_count"):  # numpy ≥ 2.0
+        return int(np.bitwise_count(zeros).sum())
+    return int(np.unpackbits(zeros.view(np.uint8)).sum())
 
 
 def _zero_masks(d: int) -> np.ndarray:
@@ -190,7 +210,13 @@ def _set_coin_flips(packed: np.ndarray, zeros: np.ndarray, generator: torch.Gene
 
 
 def pack_local_step_(
-    m: torch.Tensor, g: torch.Tensor, beta1: float, beta2: float, generator: torch.Generator | None = None
+    m: torch.Tensor,
+    g: torch.Tensor,
+    beta1: float,
+    beta2: float,
+    generator: torch.Generator | None = None,
+    *,
+    flips: list[int] | None = None,
 ) -> torch.Tensor:
     """A worker's Lion step with its direction packed: ``pack_signs(lion.local_step_(m, g, β₁, β₂), generator)``.
 
@@ -204,7 +230,7 @@ def pack_local_step_(
     rounds like torch's ``add(alpha=)`` where that is one FMA (x86-64 with AVX2 or AVX-512,
     Arm64, CUDA); this is checked once per device type and (β₁, β₂) on a probe against torch
     itself, and where the two would differ the composition runs instead. Elsewhere (other
-    devices, other dtypes) it is the composition.
+    devices, other dtypes) it is the composition. ``flips``: as :func:`pack_signs`'s.
     """
     from .lion import local_step_  # the reference: lion.py imports torch only
 
@@ -214,12 +240,14 @@ def pack_local_step_(
     if fusable and m.is_cuda and m.device == g.device and (gpu := _gpu_kernels()) is not None:
         cuda_coefs = tuple(map(float, coefs))
         if _fused_step_matches_torch(functools.partial(_lion_pack_cuda, gpu, cuda_coefs), beta1, beta2, m.device):
+            if flips is not None:  # the mix's exact zeros, as lion.direction computes the mix
+                flips.append(int(torch.count_nonzero(m.mul(beta1).add_(g, alpha=1.0 - beta1) == 0)))
             return gpu.lion_pack(m.view(-1), g.reshape(-1).contiguous(), cuda_coefs, generator)  # pack_signs's coins
     kernels = _kernels(d) if fusable and m.is_cpu and g.is_cpu else None
     if kernels is None or not _fused_step_matches_torch(
         functools.partial(_lion_pack_cpu, kernels, coefs), beta1, beta2, m.device
     ):
-        return pack_signs(local_step_(m, g, beta1, beta2), generator)
+        return pack_signs(local_step_(m, g, beta1, beta2), generator, flips=flips)
     mh, gh = m.numpy().reshape(-1), g.contiguous().numpy().reshape(-1)  # views (torch's reshape costs µs)
     packed, zeros = np.empty(packed_size(d), dtype=np.uint8), _zero_masks(d)
     if (team := _team(kernels, "lion_pack", d)) is not None:
@@ -228,6 +256,8 @@ def pack_local_step_(
         found = _on_threads(lambda a, b: kernels.lion_pack(mh, gh, coefs, packed, zeros, a, b), zeros.size, 1 << 13)
     if any(found):  # zero directions: coin flips, drawn as pack_signs draws them
         _set_coin_flips(packed, zeros, generator)
+    if flips is not None:
+        flips.append(_count_masks(zeros) if any(found) else 0)
     return torch.from_numpy(packed)
 
 

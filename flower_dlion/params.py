@@ -193,11 +193,6 @@ class ModelSpec:
             raise ValueError("malformed model description: an alias without a known parameter")
         return spec
 
-    def fingerprint(self) -> str:
-        """A short fingerprint of every entry (sha256 prefix)."""
-        desc = ";".join(f"{e.name}:{e.kind}:{e.dtype}:{e.shape}:{e.target}" for e in self.entries)
-        return hashlib.sha256(desc.encode()).hexdigest()[:16]
-
     # ------------------------------------------------------------------ checks
     def check_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
         """Raise :class:`LayoutError` naming the first tensor where ``arrays`` (name → array) differ.

@@ -45,7 +45,7 @@ Client → server::
                                    stype "dlion.levels", the 2K+1 levels of U + K;
                                    "ef-sign": also Array "scales", float32, one per tensor;
                                    a momentum-sync round: also Array "momentum", float32
-    "dlion.metrics"  MetricRecord  num-examples, train-loss, version, checksum
+    "dlion.metrics"  MetricRecord  num-examples, train-loss, version, checksum, [coin-flips]
 
 With a ``state_key`` (state files that outlive the run), train and query messages also carry ``state-key`` (the run's
 identity, kept across a resume), ``state-round`` (start from your state as of the end of
@@ -97,6 +97,7 @@ __all__ = [
     "LEVELS_STYPE",
     "METRICS",
     "MOMENTUM",
+    "OPTIONAL_REPLY_METRICS",
     "REST",
     "SEED_MISMATCH",
     "SIGN_STYPE",
@@ -130,6 +131,7 @@ SEED_MISMATCH = "x0 built from seed"  # in a client's error when its x₀ differ
 SIGN_STYPE = "dlion.sign1"
 LEVELS_STYPE = "dlion.levels"
 REPLY_METRICS = ("num-examples", "train-loss", "version", "checksum")
+OPTIONAL_REPLY_METRICS = ("coin-flips",)  # signs sent as coin flips (exact zeros of the Lion mix)
 
 GRAD_CONFIG = "grad.config"
 GRAD_MODEL = "grad.model"
@@ -170,10 +172,12 @@ def check_envelope(msg: Message, sent: Container[int], server_round: int, record
         raise RejectedReply(f"records {sorted(msg.content.keys())}, expected {sorted(records)}")
 
 
-def read_metrics(content: RecordDict, name: str, keys: Sequence[str], *, extra_ok: bool = False) -> dict[str, float]:
-    """The finite numbers ``keys`` of the MetricRecord ``name``; ``num-examples`` must be >= 1.
+def read_metrics(
+    content: RecordDict, name: str, keys: Sequence[str], *, optional: Sequence[str] = (), extra_ok: bool = False
+) -> dict[str, float]:
+    """The finite numbers ``keys`` (and those of ``optional`` present) of the MetricRecord ``name``.
 
-    Other keys are rejected unless ``extra_ok``.
+    ``num-examples`` must be >= 1. Other keys are rejected unless ``extra_ok``.
     """
     metrics = content[name]
     if not isinstance(metrics, MetricRecord):
@@ -181,10 +185,10 @@ def read_metrics(content: RecordDict, name: str, keys: Sequence[str], *, extra_o
     missing = [k for k in keys if k not in metrics]
     if missing:
         raise RejectedReply(f"metrics missing {missing}")
-    extra = sorted(set(metrics) - set(keys))
+    extra = sorted(set(metrics) - set(keys) - set(optional))
     if extra and not extra_ok:
         raise RejectedReply(f"unexpected metrics {extra[:5]}{' …' if len(extra) > 5 else ''}")
-    values = {k: metrics[k] for k in keys}
+    values = {k: metrics[k] for k in (*keys, *(k for k in optional if k in metrics))}
     for k, v in values.items():
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or abs(v) >= 2**53:
             raise RejectedReply(f"metric {k!r} is {_short(v)}, expected a finite number below 2**53")

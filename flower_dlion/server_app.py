@@ -233,6 +233,7 @@ def run_federation(grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, s
                         "bytes_down_fp32": m["bytes-down-fp32"],
                         "tie_fraction": m["tie-fraction"],
                         "agreement": m["agreement"],
+                        "coin_flip_fraction": m["coin-flip-fraction"],
                     }
                 )
             elif isinstance(strategy, GlobalOptimizer):

@@ -408,3 +408,32 @@ def test_an_empty_batch_source_is_a_clear_error(caplog: pytest.LogCaptureFixture
     # Assert
     assert strategy.history[0]["num-rejected"] == 2
     assert "batches is empty: the round needs at least one batch" in caplog.text
+
+
+def test_coin_flips_of_a_relu_model_are_counted_and_said_once(caplog: pytest.LogCaptureFixture) -> None:
+    # Prepare: a ReLU layer whose 32 units are all off (bias −100): their weights get exactly zero gradients
+    def model_fn() -> nn.Module:
+        model = nn.Sequential(nn.Flatten(), nn.Linear(784, 32), nn.ReLU(), nn.Linear(32, 10))
+        nn.init.constant_(model[1].bias, -100.0)
+        return model
+
+    app = ClientApp()
+    client = DLionClient(app, model_fn)
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        return client.train(msg, context, DataLoader(byom.partition(context.node_config["partition-id"], 4), 32))
+
+    torch.manual_seed(0)
+    grid = LocalGrid(app, 2)
+    strategy = DistributedLion(lr=1e-3)
+    caplog.set_level(logging.WARNING, logger="flwr")
+    # Execute
+    strategy.start(grid, ArrayRecord(model_fn().state_dict()), num_rounds=3)
+    # Assert: the dead layer's 784·32 + 32 values and the second layer's 32·10 weights have no gradient,
+    # m stays 0 there, so every one of them is a coin flip in every round; only the last bias moves
+    d = strategy.num_parameters
+    dead = 784 * 32 + 32 + 32 * 10
+    assert [h["coin-flip-fraction"] for h in strategy.history] == [pytest.approx(dead / d)] * 3
+    said = [r.getMessage() for r in caplog.records if "of the uploaded signs were coin flips" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("round 1: 100.0 %")

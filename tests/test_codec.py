@@ -1336,3 +1336,23 @@ def test_cuda_codec_matches_cpu_and_stays_on_device() -> None:
         assert enc.is_cuda and torch.equal(enc.cpu(), codec.encode_levels(k, num_levels))
         dec = codec.decode_levels(enc, num_levels, k.numel())
         assert dec.is_cuda and torch.equal(dec.cpu(), k.to(torch.int32))
+
+
+@pytest.mark.parametrize("mode", ["off", "on"])
+def test_pack_paths_count_their_coin_flips(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Prepare: 7 exact zeros in the vector; the Lion mix of m = 0 is 0 where g is 0 (5 of them)
+    if mode == "on" and not HAVE_NUMBA:
+        pytest.skip("numba not installed")
+    monkeypatch.setenv("FLOWER_DLION_KERNELS", mode)
+    v = torch.randn(3000)
+    v[[0, 5, 63, 64, 1000, 2998, 2999]] = 0.0
+    g = torch.randn(3000)
+    g[[3, 70, 700, 1500, 2999]] = 0.0
+    flips_v: list[int] = []
+    flips_g: list[int] = []
+    # Execute
+    codec.pack_signs(v, torch.Generator().manual_seed(0), flips=flips_v)
+    codec.pack_local_step_(torch.zeros(3000), g, 0.9, 0.99, torch.Generator().manual_seed(0), flips=flips_g)
+    codec.pack_signs(torch.ones(3000), flips=flips_v)  # none
+    # Assert
+    assert flips_v == [7, 0] and flips_g == [5]

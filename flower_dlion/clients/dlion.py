@@ -240,9 +240,10 @@ class DLionClient:
         # 2.–3. the local Lion steps and the upload
         gen = _generator(device, seed, key, server_round)  # coin flips for exact zeros
         work = _LocalWork(bound, self.loss_fn, batches, accumulate=int(cfg.get("accumulate", 1)))
+        flips: list[int] = []  # how many signs were coin flips (exact zeros of the Lion mix)
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(_seed(seed, key, server_round, 1))  # the batches' shuffles, dropout
-            arrays = _upload(state, cfg, spec.sizes, work, gen, tamper)
+            arrays = _upload(state, cfg, spec.sizes, work, gen, tamper, flips)
         if sync:
             assert mask is not None
             arrays["momentum"] = to_array(state.m[mask].cpu().numpy())
@@ -258,6 +259,7 @@ class DLionClient:
             "train-loss": sum(work.losses) / len(work.losses),
             "version": state.version,
             "checksum": state_checksum(host.x),
+            "coin-flips": sum(flips),
         }
         store.save(host)
         return Message(content=RecordDict({DELTA: ArrayRecord(arrays), METRICS: MetricRecord(metrics)}), reply_to=msg)
@@ -351,13 +353,17 @@ def _upload(
     work: _LocalWork,
     gen: torch.Generator,
     tamper: Tamper | None,
+    flips: list[int],
 ) -> dict[str, Array]:
-    """Steps 2–3: the local Lion steps and the reply's arrays for U (m and the error state updated)."""
+    """Steps 2–3: the local Lion steps and the reply's arrays for U (m and the error state updated).
+
+    ``flips`` gets the number of signs sent as coin flips (exact zeros; the sign upload only).
+    """
     d = state.x.numel()
     steps, upload = int(cfg.get("local-steps", 1)), str(cfg.get("upload", "sign"))
     beta1, beta2 = float(cfg["beta1"]), float(cfg["beta2"])
     if steps == 1 and upload == "sign" and tamper is None:  # one fused pass over m and g
-        packed = codec.pack_local_step_(state.m, work.gradient(state.x, 0), beta1, beta2, gen)
+        packed = codec.pack_local_step_(state.m, work.gradient(state.x, 0), beta1, beta2, gen, flips=flips)
         return {"signs": bits_array(packed, d, SIGN_STYPE)}
     x_local = state.x if steps == 1 else state.x.clone()  # K = 1 never moves x (see local_steps_)
     u = lion.local_steps_(
@@ -373,7 +379,7 @@ def _upload(
     if tamper is not None:
         u = tamper(u, gen)
     if upload == "sign":
-        return {"signs": bits_array(codec.pack_signs(u, generator=gen), d, SIGN_STYPE)}  # 1 bit
+        return {"signs": bits_array(codec.pack_signs(u, generator=gen, flips=flips), d, SIGN_STYPE)}  # 1 bit
     if upload == "sum":
         levels = (u + steps).to(torch.int32)  # U ∈ [−K, K] → 0 … 2K
         return {"levels": bits_array(codec.encode_levels(levels, 2 * steps + 1), d, LEVELS_STYPE, dtype="level")}

@@ -24,6 +24,7 @@ from ..protocol import (
     LEVELS_STYPE,
     METRICS,
     MOMENTUM,
+    OPTIONAL_REPLY_METRICS,
     REPLY_METRICS,
     REST,
     SEED_MISMATCH,
@@ -41,6 +42,8 @@ from ..protocol import (
 from .common import ServerModelStrategy, check_common_args
 
 __all__ = ["DistributedLion", "RejectedReply"]
+
+COIN_FLIP_WARNING = 0.05  # warn once when more than this share of the uploaded signs are coin flips
 
 
 @dataclass
@@ -286,6 +289,7 @@ class DistributedLion(ServerModelStrategy):
         self._initial: dict[str, np.ndarray] | None = None  # the initial arrays, until x is made from them
         self._described: ModelSpec | None = None  # the model description the first valid hello gave
         self._layout_errors: list[str] = []  # hellos refused because the model does not match
+        self._told_flips = False  # the coin-flip warning was logged
         self.history: list[dict[str, Any]] = []  # one dict of metrics per aggregated round
 
     # ------------------------------------------------------------------ summary
@@ -559,7 +563,10 @@ class DistributedLion(ServerModelStrategy):
                 levels = codec.decode_levels(main.data, 2 * self.local_steps + 1, d)
             except ValueError as err:
                 raise RejectedReply(f"Array 'levels': {err}") from err
-        values = read_metrics(content, METRICS, REPLY_METRICS)
+        values = read_metrics(content, METRICS, REPLY_METRICS, optional=OPTIONAL_REPLY_METRICS)
+        flips = values.get("coin-flips", 0)
+        if not (isinstance(flips, int) and 0 <= flips <= d):
+            raise RejectedReply(f"metric 'coin-flips' is {flips!r}, expected an integer in [0, {d}]")
         if values["version"] != rnd.base_version:
             raise RejectedReply(
                 f"replica at version {values['version']}, expected {rnd.base_version}: full resync next round",
@@ -708,6 +715,17 @@ class DistributedLion(ServerModelStrategy):
         else:
             log(WARNING, "round %d: %d valid replies < min_replies=%d, x unchanged", server_round, n, self.min_replies)
 
+        flip_fraction = sum(r.values.get("coin-flips", 0) for r in valid) / (d * n) if n else 0.0
+        if flip_fraction > COIN_FLIP_WARNING and not self._told_flips:
+            self._told_flips = True
+            log(
+                WARNING,
+                "round %d: %.1f %% of the uploaded signs were coin flips: exact zeros of β₁·m + (1−β₁)·g, which "
+                "1 bit cannot carry (e.g. ReLU units inactive on a whole batch); those coordinates move by ±lr at "
+                "random (metric coin-flip-fraction; SiLU/GELU or a larger batch avoid it)",
+                server_round,
+                100 * flip_fraction,
+            )
         losses = [r.values["train-loss"] for r in valid]
         examples = [r.values["num-examples"] for r in valid]
         total = sum(examples)
@@ -730,6 +748,7 @@ class DistributedLion(ServerModelStrategy):
             "bytes-down-fp32": int(rnd.bytes_down_fp32),
             "tie-fraction": tie_fraction,
             "agreement": agreement,
+            "coin-flip-fraction": flip_fraction,
         }
         self.history.append({"round": server_round, **metrics})
         self._round = None
