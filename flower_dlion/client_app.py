@@ -11,19 +11,19 @@ The hello of our strategies (a ``query.dlion`` message) is answered by the DLion
 
 Fault studies: with run config ``fail-fraction`` f > 0, a node raises in a train message with
 probability f (seeded by seed, partition and round); with ``byzantine-fraction`` the first k
-partitions upload −U (``byzantine-mode = "flip"``) or K·(random signs) (``"random"``) instead
-of U (through DLionClient's ``tamper``).
+partitions attack as ``byzantine-mode`` says (``clients/attacks.py``: flipped or random signs,
+lies about scales or momentum, "a little is enough"), through DLionClient's ``tamper``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from .clients import fedavg, gradient
+from .clients.attacks import attacker
 from .clients.common import PartitionBatches, byzantine, inject_failure, partition_id
 from .clients.dlion import ClientSettings, DLionClient, Tamper
 from .config import DLION_STRATEGIES, read_config
@@ -56,13 +56,10 @@ dlion = FashionMNISTClient(app, Net)
 
 
 def tamper_for(settings: dict[str, Any], context: Context) -> Tamper | None:
-    """The Byzantine upload of a fault study's attacker (None for an honest node)."""
+    """The fault study's attacker (``clients/attacks.py``) on a Byzantine node; None on an honest one."""
     if not byzantine(settings, *partition_id(context)):
         return None
-    if settings["byzantine-mode"] == "flip":
-        return lambda u, gen: -u
-    steps = settings["local-steps"]
-    return lambda u, gen: steps * (2.0 * torch.randint(0, 2, u.shape, generator=gen, device=u.device) - 1.0)
+    return attacker(settings["byzantine-mode"], steps=settings["local-steps"], factor=settings["byzantine-scale"])
 
 
 def server_round(msg: Message) -> int:

@@ -64,7 +64,7 @@ _CHOICES = {
     "device": ("auto", "cpu", "cuda"),
     "upload": ("sign", "sum", "ef-sign"),
     "init": ("full", "seed"),
-    "byzantine-mode": ("flip", "random"),
+    "byzantine-mode": ("flip", "random", "scale", "momentum", "little"),
     "momentum-dtype": ("float32", "bfloat16"),
 }
 
@@ -158,6 +158,15 @@ def read_config(run_config: Mapping[str, Any] | None) -> dict[str, Any]:
         raise ValueError(
             f"run-config 'byzantine-fraction' applies to {(*DLION_STRATEGIES, 'fedavg')}, not to {cfg['strategy']!r}"
         )
+    if cfg["byzantine-mode"] in ("scale", "momentum", "little") and cfg["strategy"] not in DLION_STRATEGIES:
+        raise ValueError(
+            f"run-config byzantine-mode {cfg['byzantine-mode']!r} applies to {DLION_STRATEGIES}, "
+            f"not to {cfg['strategy']!r} (its attackers flip or randomize their update: 'flip', 'random')"
+        )
+    if cfg["byzantine-mode"] == "scale" and cfg["upload"] != "ef-sign":
+        raise ValueError("run-config byzantine-mode 'scale' lies about ef-sign scales: it needs upload = 'ef-sign'")
+    if cfg["byzantine-mode"] == "momentum" and not cfg["momentum-sync-every"]:
+        raise ValueError("run-config byzantine-mode 'momentum' poisons the synced momentum: set momentum-sync-every")
     if cfg["strategy"] == "fedavg" and (cfg["checkpoint-every"] or cfg["resume"]):
         raise ValueError("run-config 'checkpoint-every' / 'resume' need one of our strategies, not Flower's 'fedavg'")
     if cfg["strategy"] not in DLION_STRATEGIES:

@@ -13,7 +13,7 @@ frozen     a parameter with ``requires_grad=False``: sent once with the full mod
 buffer     BatchNorm's running statistics, ``num_batches_tracked``, any registered buffer:
            each client keeps its own (its forward passes update them, as in FedBN) and
            uploads them every few rounds; the server's copy, which ``evaluate_fn`` and
-           ``Result.arrays`` see, is their example-weighted mean (see :func:`average_buffers`)
+           ``Result.arrays`` see, is their median (:func:`flower_dlion.bounds.robust_buffers`)
 alias      a second name of a parameter already listed (tied weights): the same values
 ========== ================================================================================
 
@@ -42,7 +42,6 @@ __all__ = [
     "Entry",
     "LayoutError",
     "ModelSpec",
-    "average_buffers",
     "cross_entropy_loss",
     "layer_mask",
     "layout_fingerprint",
@@ -353,43 +352,3 @@ class Binding:
             for p, g in zip(self._params, grads, strict=True)
         ]
         return loss.detach().float(), torch.cat(flat)
-
-
-def average_buffers(spec: ModelSpec, uploads: Sequence[np.ndarray], weights: Sequence[float]) -> dict[str, np.ndarray]:
-    """The server's buffers from n clients' flat uploads: the weighted mean, per buffer.
-
-    With weights wᵢ (the clients' example counts, normalized to sum 1) and client i's values
-    bᵢ of one buffer, the result is ``Σᵢ wᵢ·bᵢ`` rounded to the buffer's dtype (integers to
-    the nearest, booleans by weighted majority), except BatchNorm's running variance, which
-    is pooled with the spread of the clients' running means (the law of total variance)::
-
-        μ = Σᵢ wᵢ·μᵢ        σ² = Σᵢ wᵢ·(σᵢ² + μᵢ²) − μ²       (for ``<p>.running_var`` beside ``<p>.running_mean``)
-
-    so the server's model normalizes by the variance of all clients' data together, not by
-    the mean of their within-client variances (smaller when the data are not iid).
-    """
-    w = np.asarray(weights, dtype=np.float64)
-    w = w / w.sum()
-    stacked = np.stack([np.asarray(u, dtype=np.float64) for u in uploads])  # (n, values)
-    per_client, offset = {}, 0
-    for e in spec.buffers:
-        per_client[e.name] = stacked[:, offset : offset + e.size]
-        offset += e.size
-    out: dict[str, np.ndarray] = {}
-    for e in spec.buffers:
-        values = per_client[e.name]
-        mean = w @ values
-        means = per_client.get(e.name.removesuffix("running_var") + "running_mean")
-        if e.name.endswith("running_var") and means is not None:  # pooled: within-client + between-client
-            mean = np.maximum(w @ (values + means**2) - (w @ means) ** 2, 0.0)
-        out[e.name] = _cast(mean, e).reshape(e.shape)
-    return out
-
-
-def _cast(values: np.ndarray, e: Entry) -> np.ndarray:
-    """float64 means in the buffer's own dtype (numpy has no bfloat16: float32 there)."""
-    if e.dtype == "bool":
-        return values >= 0.5
-    if e.dtype.startswith(("int", "uint")):
-        return np.rint(values).astype(e.dtype)
-    return values.astype(np.float32 if e.dtype == "bfloat16" else e.dtype)

@@ -195,20 +195,24 @@ def test_integer_sum_reply_with_a_level_out_of_range_is_rejected(caplog: pytest.
 
 
 def test_ef_sign_upload_and_one_bit_broadcast_with_server_error_feedback() -> None:
-    # Prepare: 2 clients send scaled signs; the server broadcasts a scaled sign of mean + e
+    # Prepare: 3 clients send scaled signs, the third claims a scale of 10³⁰ for the first tensor;
+    # the server broadcasts a scaled sign of mean + e
     strategy = DistributedLion(aggregation="mean", lr=0.1, weight_decay=0.0, upload="ef-sign", broadcast_bits=1)
-    sent = first_round(strategy, [1, 2])
-    s1, s2 = [1, 1, -1, -1, 1, -1, 1, 1, -1, 1], [1, -1, -1, 1, 1, -1, -1, 1, -1, 1]
-    sc1, sc2 = np.array([2.0, 1.0], np.float32), np.array([1.0, 3.0], np.float32)
-    r1 = with_arrays(sent[1], signs_reply(sent[1], s1), scales=Array(sc1))
-    r2 = with_arrays(sent[2], signs_reply(sent[2], s2), scales=Array(sc2))
+    sent = first_round(strategy, [1, 2, 3])
+    signs = [[1, 1, -1, -1, 1, -1, 1, 1, -1, 1], [1, -1, -1, 1, 1, -1, -1, 1, -1, 1], [-1] * 10]
+    claimed = [np.array([2.0, 1.0], np.float32), np.array([1.0, 3.0], np.float32), np.array([1e30, 5.0], np.float32)]
+    replies = [
+        with_arrays(sent[n], signs_reply(sent[n], signs[n - 1]), scales=Array(claimed[n - 1])) for n in (1, 2, 3)
+    ]
     # Execute
-    strategy.aggregate_train(1, [r1, r2])
-    nxt = strategy.configure_train(2, ArrayRecord(), ConfigRecord(), StubGrid([1, 2]))
-    # Assert: mean of the scaled signs, then its scaled sign per tensor; the rest stays as e
-    per_value1 = np.repeat(sc1, SIZES)
-    per_value2 = np.repeat(sc2, SIZES)
-    mean = (np.array(s1) * per_value1 + np.array(s2) * per_value2).astype(np.float32) / 2
+    _, metrics = strategy.aggregate_train(1, replies)
+    nxt = strategy.configure_train(2, ArrayRecord(), ConfigRecord(), StubGrid([1, 2, 3]))
+    # Assert: every scale cut to its tensor's lower median (tensor 1: 2, tensor 2: 3), so the liar
+    # counts as [2, 3], as much as the median client; the mean of the scaled signs, then its scaled
+    # sign per tensor; the rest stays as e
+    assert metrics["clipped-scales"] == 2  # the liar's two scales
+    cut = [np.minimum(c, [2.0, 3.0]).astype(np.float32) for c in claimed]
+    mean = sum(np.array(s) * np.repeat(c, SIZES) for s, c in zip(signs, cut, strict=True)).astype(np.float32) / 3
     scales = [np.abs(mean[:6]).mean(), np.abs(mean[6:]).mean()]
     sent_delta = np.where(mean >= 0, 1.0, -1.0) * np.repeat(np.array(scales, np.float32), SIZES)
     np.testing.assert_allclose(strategy.x.numpy(), X0 - 0.1 * sent_delta, rtol=1e-6)
@@ -234,7 +238,7 @@ def test_ef_sign_reply_without_valid_scales_is_rejected() -> None:
     assert metrics["num-replies"] == 1 and metrics["num-rejected"] == 2
 
 
-def test_momentum_sync_round_averages_momenta_and_sends_them_next_round() -> None:
+def test_momentum_sync_round_takes_the_median_of_the_momenta_and_sends_it_next_round() -> None:
     # Prepare: sync every 2 rounds, layer "b" only (4 values)
     strategy = DistributedLion(lr=0.1, momentum_sync_every=2, momentum_sync_layers=("b",))
     sent = first_round(strategy, [1, 2, 3])
@@ -254,10 +258,11 @@ def test_momentum_sync_round_averages_momenta_and_sends_them_next_round() -> Non
     _, metrics = strategy.aggregate_train(2, replies)
     third = strategy.configure_train(3, ArrayRecord(), ConfigRecord(), StubGrid([1, 2, 3]))
     fourth = strategy.configure_train(4, ArrayRecord(), ConfigRecord(), StubGrid([1, 2]))
-    # Assert: the average of the two valid momenta goes to every node in the next round only
+    # Assert: the coordinate-wise lower median of the two valid momenta (of two: the smaller) goes
+    # to every node in the next round only
     assert metrics["num-rejected"] == 1
     for msg in third:
-        assert msg.content[MOMENTUM]["m"].numpy().tolist() == [2.0, 2.0, 2.0, 2.0]
+        assert msg.content[MOMENTUM]["m"].numpy().tolist() == [1.0, 2.0, 1.0, 0.0]
     assert all(MOMENTUM not in msg.content for msg in fourth)
 
 

@@ -24,7 +24,8 @@ from flower_dlion.clients.replica import apply_message
 from flower_dlion.clients.state import STATE_ARRAYS, STATE_REST, load_state
 from flower_dlion.config import read_config
 from flower_dlion.local_grid import LocalGrid
-from flower_dlion.params import Entry, ModelSpec, average_buffers
+from flower_dlion.bounds import robust_buffers
+from flower_dlion.params import Entry, ModelSpec
 from flower_dlion.server_app import run_federation
 
 from . import byom
@@ -78,8 +79,8 @@ def test_spec_refuses_integer_parameters_and_models_without_trainable_ones() -> 
         ModelSpec.decode(b"not zlib")
 
 
-def test_buffers_are_averaged_by_examples_and_running_var_is_pooled() -> None:
-    # Prepare: two clients, 10 and 30 examples (weights 1/4, 3/4)
+def test_buffers_are_combined_by_median_and_running_var_is_pooled_around_it() -> None:
+    # Prepare: three clients; the third lies (10⁶, 10³⁰)
     spec = ModelSpec(
         (
             Entry("w", (1,), "float32", "trainable"),
@@ -89,18 +90,17 @@ def test_buffers_are_averaged_by_examples_and_running_var_is_pooled() -> None:
             Entry("scale", (1,), "float32", "buffer"),
         )
     )
-    a = np.array([0.0, 4.0, 1.0, 2.0, 10.0, 1.0], np.float32)  # mean, var, count, scale
-    b = np.array([2.0, 0.0, 3.0, 1.0, 13.0, 5.0], np.float32)
+    a = np.array([0.0, 4.0, 1.0, 2.0, 1.0, 10.0], np.float32)  # mean (2), var (2), count, scale
+    b = np.array([2.0, 0.0, 3.0, 1.0, 3.0, 13.0], np.float32)
+    c = np.array([1.0, 100.0, 2.0, 1e6, 1000.0, 1e30], np.float32)
     # Execute
-    out = average_buffers(spec, [a, b], [10, 30])
-    # Assert: μ = ¼a + ¾b; σ² = Σ w(σᵢ² + μᵢ²) − μ²; the count rounded to the nearest integer
-    np.testing.assert_allclose(out["bn.running_mean"], [1.5, 1.0])
-    np.testing.assert_allclose(
-        out["bn.running_var"], [0.25 * (1 + 0) + 0.75 * (3 + 4) - 1.5**2, 0.25 * (2 + 16) + 0.75 * 1 - 1.0]
-    )
-    assert out["bn.num_batches_tracked"] == 12 and out["bn.num_batches_tracked"].dtype == np.int64
-    np.testing.assert_allclose(out["scale"], [4.0])
-    assert out["bn.running_mean"].dtype == np.float32
+    out = robust_buffers(spec, [a, b, c])
+    # Assert: μ = median μᵢ; σ² = median (σᵢ² + (μᵢ − μ)²): coordinate 0: median(1+1, 3+1, 2+0) = 2,
+    # coordinate 1: median(2+0, 1+16, 10⁶+96²) = 17; the count and the scale: medians
+    np.testing.assert_array_equal(out["bn.running_mean"], np.array([1.0, 4.0], np.float32))
+    np.testing.assert_array_equal(out["bn.running_var"], np.array([2.0, 17.0], np.float32))
+    assert out["bn.num_batches_tracked"] == 3 and out["bn.num_batches_tracked"].dtype == np.int64
+    np.testing.assert_array_equal(out["scale"], np.array([13.0], np.float32))
 
 
 # ---------------------------------------------------------------- a federation with the user's model
@@ -129,13 +129,13 @@ def test_users_model_trains_replicas_stay_exact_and_bytes_are_one_bit() -> None:
     model = ByomNet()
     model.load_state_dict(final)  # strict
     assert byom.accuracy(model) > 0.3  # chance is 0.1
-    # the server's buffers: the example-weighted mean of what the clients uploaded in round 12 (the last)
+    # the server's buffers: the median of what the clients uploaded in round 12 (the last)
     uploads = [
         torch.cat([torch.from_numpy(grid.context(n).state[STATE_REST][e.name].numpy()).reshape(-1).float()
                    for e in strategy.spec.buffers]).numpy()
         for n in grid.node_ids
     ]  # fmt: skip
-    expected = average_buffers(strategy.spec, uploads, [32] * 4)
+    expected = robust_buffers(strategy.spec, uploads)
     for name, value in expected.items():
         assert np.array_equal(final[name].numpy(), value), name
     assert int(final["bn.num_batches_tracked"]) == 12  # one forward pass per round on every client

@@ -70,8 +70,25 @@ __all__ = ["ClientSettings", "ClientStateError", "DLionClient", "Tamper", "resol
 
 logger = logging.getLogger("flower_dlion")
 
+MOMENTUM_LIMIT = 1e6  # a synced momentum beyond this is no average of gradients a float32 model trains with
 AUTO_FILES_FROM = 1 << 20  # trainable values from which the state goes to files by default (docs/PERFORMANCE.md §3)
-Tamper = Callable[[torch.Tensor, torch.Generator], torch.Tensor]  # U, the round's generator → what is uploaded
+
+
+class Tamper:
+    """For fault studies only: what an attacking node changes in what it sends. This one changes nothing.
+
+    :meth:`upload` sees U = Σₖ δₖ before it is encoded (the fused path is then not taken);
+    :meth:`arrays` sees the reply's encoded arrays (``signs``/``levels``, ``scales``,
+    ``momentum``, ``buffers``) before they are sent.
+    """
+
+    def upload(self, u: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """What the node uploads instead of U (the round's seeded generator at hand)."""
+        return u
+
+    def arrays(self, arrays: dict[str, Array]) -> dict[str, Array]:
+        """The reply's arrays as sent."""
+        return arrays
 
 
 @dataclass(frozen=True)
@@ -209,8 +226,8 @@ class DLionClient:
             Where the round's batches come from, e.g. your ``DataLoader``: the round takes
             ``local-steps × accumulate`` batches (1 by default) from a fresh iterator,
             starting over when it runs out.
-        tamper : Callable[[Tensor, Generator], Tensor] | None (default: None)
-            For fault studies only: replaces U = Σₖ δₖ before it is encoded.
+        tamper : Tamper | None (default: None)
+            For fault studies only: what an attacking node changes (:class:`Tamper`).
 
         Returns
         -------
@@ -250,6 +267,8 @@ class DLionClient:
         state.rest.update({name: t.clone() for name, t in bound.buffers().items()})  # the client's own buffers
         if cfg.get("buffers", 0):
             arrays["buffers"] = to_array(_flat_buffers(state, spec))
+        if tamper is not None:
+            arrays = tamper.arrays(arrays)
 
         # 4.–5. reply, and keep the state for the next round
         state.round = server_round
@@ -377,7 +396,7 @@ def _upload(
         beta2=beta2,
     )
     if tamper is not None:
-        u = tamper(u, gen)
+        u = tamper.upload(u, gen)
     if upload == "sign":
         return {"signs": bits_array(codec.pack_signs(u, generator=gen, flips=flips), d, SIGN_STYPE)}  # 1 bit
     if upload == "sum":
@@ -395,11 +414,21 @@ def _upload(
 
 
 def _adopt_momentum(state: ReplicaState, record: ArrayRecord, mask: torch.Tensor | None, node_id: int) -> None:
-    """Take the server's average of the last sync round's momenta for the synced parameters."""
+    """Take the server's combination of the last sync round's momenta for the synced parameters.
+
+    Refused (ClientStateError, the state kept) unless it has the synced parameters' shape and
+    every value is finite and within ±:data:`MOMENTUM_LIMIT`.
+    """
     assert mask is not None
     m_avg = record["m"].numpy()
-    if m_avg.shape != (int(mask.sum()),):
-        raise ClientStateError(f"node {node_id}: momentum of shape {m_avg.shape}, expected ({int(mask.sum())},)")
+    if m_avg.shape != (int(mask.sum()),) or m_avg.dtype != np.float32:
+        raise ClientStateError(
+            f"node {node_id}: momentum of {m_avg.dtype} {m_avg.shape}, expected float32 ({int(mask.sum())},)"
+        )
+    if not (np.isfinite(m_avg).all() and np.abs(m_avg).max(initial=0.0) <= MOMENTUM_LIMIT):
+        raise ClientStateError(
+            f"node {node_id}: the synced momentum has values outside ±{MOMENTUM_LIMIT:g} or non-finite ones: refused"
+        )
     state.m[mask] = torch.from_numpy(m_avg.copy()).to(state.m.device)
 
 

@@ -10,12 +10,15 @@ What a train message says about x (``protocol.CONFIG`` ``kind``):
 * with ``init-seed`` (a node without state, ``init = "seed"``): build x₀ from the seed, check
   it against the server's checksum, then apply the Δs since version 0.
 
-Anything that does not fit the replica raises :class:`ClientStateError`; the state is then
-left as it was and the server sends the full model next time.
+Anything that does not fit the replica, or is out of range (a level above L − 1, a
+non-finite or negative scale, a learning rate or decay that would not shrink x, a non-finite
+model), raises :class:`ClientStateError` naming the problem; the state is then left as it was
+(nothing is stored) and the server sends the full model next time.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -27,7 +30,9 @@ from ..params import ModelSpec, layout_fingerprint, state_checksum
 from ..protocol import CONFIG, LEVELS_STYPE, REST, SEED_MISMATCH, UPDATE
 from .state import ClientStateError, ReplicaState
 
-__all__ = ["SeedFn", "apply_message"]
+__all__ = ["SCALE_LIMIT", "SeedFn", "apply_message"]
+
+SCALE_LIMIT = 1e6  # a Δ's per-tensor scale is in steps of lr: no Lion update is a million steps
 
 SeedFn = Callable[[int], tuple[torch.Tensor, dict[str, torch.Tensor]]]  # seed → (x₀, rest₀) on the device
 
@@ -51,6 +56,8 @@ def apply_message(
             raise ClientStateError(
                 f"node {node_id}: full model has {payload.shape} {payload.dtype}, expected ({d},) float32"
             )
+        if not np.isfinite(payload).all():
+            raise ClientStateError(f"node {node_id}: the full model has non-finite values: refused")
         x = torch.from_numpy(payload.copy()).to(device)
         rest = _received_rest(content, spec, device, node_id)
         if state is None:
@@ -134,15 +141,24 @@ def _apply_deltas(
         raise ClientStateError(f"node {node_id}: update stype {arr.stype!r}, expected {LEVELS_STYPE!r}")
     buf = codec.as_uint8(arr.data).to(device)  # packed bytes go to the device
     scales = list(cfg.get("scales", []))
-    if scales and len(scales) != len(cfg["num-levels"]) * len(sizes):
+    steps = _check_steps(cfg, node_id)
+    if scales and len(scales) != len(steps) * len(sizes):
         raise ClientStateError(
-            f"node {node_id}: {len(scales)} scales for {len(cfg['num-levels'])} Δs of a model of {len(sizes)} tensors"
+            f"node {node_id}: {len(scales)} scales for {len(steps)} Δs of a model of {len(sizes)} tensors"
         )
+    if not all(isinstance(s, float | int) and 0.0 <= s <= SCALE_LIMIT for s in scales):  # also refuses nan
+        bad = next(s for s in scales if not (isinstance(s, float | int) and 0.0 <= s <= SCALE_LIMIT))
+        raise ClientStateError(f"node {node_id}: a Δ scale is {bad!r}, outside [0, {SCALE_LIMIT:g}]: refused")
     offset = 0
-    for i, (num_levels, lr, wd) in enumerate(zip(cfg["num-levels"], cfg["lr"], cfg["weight-decay"], strict=True)):
+    for i, (num_levels, lr, wd) in enumerate(steps):
         size = codec.encoded_size(d, num_levels)
         narrow = num_levels <= 256 and not scales  # bytes: a quarter of int32's memory; apply_levels_ reads them
-        levels = codec.decode_levels(buf[offset : offset + size], num_levels, d, torch.uint8 if narrow else torch.int32)
+        try:
+            levels = codec.decode_levels(
+                buf[offset : offset + size], num_levels, d, torch.uint8 if narrow else torch.int32
+            )
+        except ValueError as err:
+            raise ClientStateError(f"node {node_id}: Δ {i + 1} of {len(steps)} does not decode: {err}") from err
         s = None
         if scales:
             s = torch.tensor(scales[i * len(sizes) : (i + 1) * len(sizes)], dtype=torch.float32, device=device)
@@ -151,3 +167,16 @@ def _apply_deltas(
         offset += size
     if offset != buf.numel():
         raise ClientStateError(f"node {node_id}: update has {buf.numel()} bytes, its Δs use {offset}")
+
+
+def _check_steps(cfg: dict, node_id: int) -> list[tuple[int, float, float]]:
+    """(levels, lr, weight decay) of each received Δ, each in range, or ClientStateError."""
+    steps = list(zip(cfg["num-levels"], cfg["lr"], cfg["weight-decay"], strict=True))
+    for num_levels, lr, wd in steps:
+        if not (isinstance(num_levels, int) and 2 <= num_levels <= 1 << 16):
+            raise ClientStateError(f"node {node_id}: a Δ with {num_levels!r} levels (2 to 65536 allowed): refused")
+        if not (math.isfinite(lr) and math.isfinite(wd) and lr >= 0 and wd >= 0 and lr * wd < 1):
+            raise ClientStateError(
+                f"node {node_id}: a Δ with lr {lr!r} and weight decay {wd!r} (finite, >= 0, lr·wd < 1 allowed): refused"
+            )
+    return steps

@@ -16,7 +16,8 @@ from flwr.serverapp import Grid
 from flwr.supercore import log
 
 from .. import codec, lion, quantizers
-from ..params import LayoutError, ModelSpec, average_buffers, layer_mask, layout_fingerprint, state_checksum
+from ..bounds import clip_scales, median_momentum, robust_buffers
+from ..params import LayoutError, ModelSpec, layer_mask, layout_fingerprint, state_checksum
 from ..protocol import (
     CLIENT_STATE_ERROR,
     CONFIG,
@@ -290,6 +291,7 @@ class DistributedLion(ServerModelStrategy):
         self._described: ModelSpec | None = None  # the model description the first valid hello gave
         self._layout_errors: list[str] = []  # hellos refused because the model does not match
         self._told_flips = False  # the coin-flip warning was logged
+        self._clipped = 0  # ef-sign scales cut to the median in the round in progress
         self.history: list[dict[str, Any]] = []  # one dict of metrics per aggregated round
 
     # ------------------------------------------------------------------ summary
@@ -602,7 +604,11 @@ class DistributedLion(ServerModelStrategy):
         return codec.PackedAggregate(levels.levels, levels.num_levels, encoded, ties, sum_abs), scales
 
     def _vote_sum(self, replies: list[_Reply]) -> torch.Tensor:
-        """S = Σᵢ Uᵢ (int32 for sign and sum uploads, float32 for scaled signs)."""
+        """S = Σᵢ Uᵢ (int32 for sign and sum uploads, float32 for scaled signs).
+
+        Scaled signs count with their scales cut to the round's lower median per tensor
+        (``bounds.clip_scales``): no client weighs more than the median client.
+        """
         d, n = self.num_parameters, len(replies)
         if self.upload == "sign":
             return codec.count_ones([r.data for r in replies], d).mul_(2).sub_(n)  # Σ of ±1: 2·(votes for +1) − n
@@ -614,10 +620,10 @@ class DistributedLion(ServerModelStrategy):
                 total += r.levels - k  # Uᵢ ∈ [−K, K]
             return total
         total = torch.zeros(d, dtype=torch.float32)
-        for r in replies:
-            assert r.scales is not None
+        scales, self._clipped = clip_scales(torch.stack([r.scales for r in replies if r.scales is not None]))
+        for r, s in zip(replies, scales, strict=True):
             bits = codec.unpack_bits(r.data, d).to(torch.int32)
-            total += quantizers.dequantize(bits, 2, r.scales, self.sizes)  # ±sⱼ
+            total += quantizers.dequantize(bits, 2, s, self.sizes)  # ±sⱼ, sⱼ at most the median's
         return total
 
     def _update(self, votes: torch.Tensor, n: int) -> tuple[lion.Levels, tuple[float, ...] | None]:
@@ -708,8 +714,7 @@ class DistributedLion(ServerModelStrategy):
             scale = self.local_steps if self.upload == "sum" else 1  # agreement: mean |S| / (n·scale)
             agreement = math.nan if self.upload == "ef-sign" else update.sum_abs / (d * n * scale)
             if rnd.momentum_sync:
-                momenta = [r.momentum for r in valid if r.momentum is not None]
-                self._momentum_avg = torch.stack(momenta).mean(0)
+                self._momentum_avg = median_momentum([r.momentum for r in valid if r.momentum is not None])
             if rnd.buffer_sync:
                 self._average_buffers(valid)
         else:
@@ -749,18 +754,18 @@ class DistributedLion(ServerModelStrategy):
             "tie-fraction": tie_fraction,
             "agreement": agreement,
             "coin-flip-fraction": flip_fraction,
+            "clipped-scales": self._clipped,
         }
+        self._clipped = 0
         self.history.append({"round": server_round, **metrics})
         self._round = None
         self._state_resets = 0
         return self.arrays(), MetricRecord(metrics)
 
     def _average_buffers(self, replies: list[_Reply]) -> None:
-        """The server's buffers ← the example-weighted mean of the replies' (``params.average_buffers``)."""
+        """The server's buffers ← the median of the replies' (``bounds.robust_buffers``)."""
         assert self.spec is not None
-        uploads = [r.buffers.numpy() for r in replies if r.buffers is not None]
-        weights = [r.values["num-examples"] for r in replies if r.buffers is not None]
-        self._rest.update(average_buffers(self.spec, uploads, weights))
+        self._rest.update(robust_buffers(self.spec, [r.buffers.numpy() for r in replies if r.buffers is not None]))
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

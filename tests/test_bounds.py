@@ -1,0 +1,178 @@
+"""Bounded influence (issue 34): each float channel a client controls, its bound, and the attacks it is for."""
+
+import json
+import math
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message
+from flwr.common.serde import context_to_proto
+
+from flower_dlion.bounds import clip_scales, median_momentum
+from flower_dlion.client_app import app as client_app
+from flower_dlion.clients.attacks import LittleIsEnough, MomentumPoison, ScaleLie
+from flower_dlion.config import read_config
+from flower_dlion.local_grid import LocalGrid
+from flower_dlion.protocol import CONFIG, MOMENTUM, UPDATE
+from flower_dlion.server_app import run_federation
+from flower_dlion.strategies import DistributedLion
+
+from .test_federation import RUN_CONFIG, initial_arrays
+
+# ---------------------------------------------------------------- the rules, exactly
+
+
+def test_scales_are_cut_to_the_lower_median_of_their_tensor() -> None:
+    # Prepare: 3 clients × 2 tensors; the third lies about tensor 1
+    scales = torch.tensor([[1.0, 2.0], [3.0, 4.0], [1000.0, 5.0]])
+    # Execute
+    clipped, count = clip_scales(scales)
+    # Assert: medians (3, 4); the liar's 1000 → 3 and its 5 → 4
+    assert clipped.tolist() == [[1.0, 2.0], [3.0, 4.0], [3.0, 4.0]] and count == 2
+    # of two clients the lower median is the smaller: a liar can only claim the honest one's scale
+    assert clip_scales(torch.tensor([[1.0, 5.0], [1e30, 2.0]]))[0].tolist() == [[1.0, 2.0], [1.0, 2.0]]
+
+
+def test_synced_momentum_is_the_coordinatewise_lower_median() -> None:
+    big = 2.0**100  # ≈ 1.3·10³⁰, exact in float32
+    momenta = [torch.tensor([1.0, -2.0, 3.0]), torch.tensor([-big, 0.0, 1.0]), torch.tensor([2.0, 5.0, big])]
+    assert median_momentum(momenta).tolist() == [1.0, 0.0, 3.0]
+    assert median_momentum(momenta[:2]).tolist() == [-big, -2.0, 1.0]  # two clients: no majority to protect
+
+
+# ---------------------------------------------------------------- the attacks, as a node sends them
+
+
+def test_attackers_change_what_they_say_they_change() -> None:
+    gen = torch.Generator().manual_seed(0)
+    u = torch.tensor([3.0, -1.0, 0.5, -4.0, 2.0, -0.25])
+    scales = {"scales": Array(np.array([0.5, 2.0], np.float32)), "signs": Array(np.zeros(1, np.float32))}
+    lied = ScaleLie(1e30).arrays(dict(scales))
+    np.testing.assert_array_equal(lied["scales"].numpy(), np.array([0.5e30, 2e30], np.float32))
+    poisoned = MomentumPoison(1000.0).arrays({"momentum": Array(np.array([0.1, -3.0, 0.0], np.float32))})
+    assert poisoned["momentum"].numpy().tolist() == [-1000.0, 1000.0, -0.0]
+    assert ScaleLie(10.0).upload(u, gen).tolist() == (-u).tolist()
+    # a little is enough: the three least certain coordinates (0.5, −1, −0.25) flipped, the rest honest
+    assert LittleIsEnough().upload(u, gen).tolist() == [3.0, 1.0, -0.5, -4.0, 2.0, 0.25]
+
+
+def test_attack_modes_are_checked_before_round_one() -> None:
+    with pytest.raises(ValueError, match="byzantine-mode 'scale' lies about ef-sign scales: it needs upload"):
+        read_config({"byzantine-mode": "scale"})
+    with pytest.raises(ValueError, match="byzantine-mode 'momentum' poisons the synced momentum: set momentum-sync"):
+        read_config({"byzantine-mode": "momentum"})
+    with pytest.raises(ValueError, match="byzantine-mode 'little' applies to"):
+        read_config({"byzantine-mode": "little", "strategy": "fedavg"})
+    with pytest.raises(ValueError, match="'byzantine-mode' must be one of"):
+        read_config({"byzantine-mode": "loud"})
+
+
+# ---------------------------------------------------------------- a federation with a liar
+EF_SIGN = {
+    **RUN_CONFIG,
+    "strategy": "dlion-mean",
+    "local-steps": 5,
+    "upload": "ef-sign",
+    "broadcast-bits": 1,
+    "lr": 0.001,
+    "num-server-rounds": 8,
+    "eval-every": 8,
+    "holdout": 2000,
+    "byzantine-fraction": 0.25,  # 1 of 4
+}
+
+
+def _final(tmp_path, **options: object) -> float:
+    cfg = {**EF_SIGN, **options, "results-dir": str(tmp_path)}
+    run_federation(LocalGrid(client_app, 4, run_config=cfg), cfg, save_model=False)
+    return float(json.loads((tmp_path / "summary.json").read_text())["final_accuracy"])
+
+
+@pytest.mark.slow
+def test_a_liar_claiming_scales_of_1e30_does_no_more_than_a_flipper_with_honest_scales(tmp_path) -> None:
+    # Execute: one of 4 clients uploads −U with honest scales; then the same with its scales × 10³⁰
+    flip = _final(tmp_path / "flip", **{"byzantine-mode": "flip"})
+    liar = _final(tmp_path / "liar", **{"byzantine-mode": "scale", "byzantine-scale": 1e30})
+    # Assert: within 2 points (a liar cut to the median scale is a flipper whose scale is the median's)
+    assert liar > 0.5 and abs(liar - flip) <= 0.02, (liar, flip)
+
+
+# ---------------------------------------------------------------- the client refuses what is out of range
+
+
+def _tampered(tamper: Callable[[Message], None], **strategy_options: object) -> tuple[LocalGrid, Message, bytes]:
+    """Two rounds of a federation, then the round-3 message to node 1000 tampered with (and its state before)."""
+    grid = LocalGrid(client_app, 2, run_config={**RUN_CONFIG, "device": "cpu"})
+    strategy = DistributedLion(lr=0.01, weight_decay=0.1, **strategy_options)
+    _, arrays = initial_arrays()
+    for rnd in (1, 2):
+        strategy.aggregate_train(
+            rnd, grid.send_and_receive(strategy.configure_train(rnd, arrays, ConfigRecord(), grid))
+        )
+    msg = next(m for m in strategy.configure_train(3, arrays, ConfigRecord(), grid) if m.metadata.dst_node_id == 1000)
+    tamper(msg)
+    return grid, msg, context_to_proto(grid.context(1000)).SerializeToString()
+
+
+def _scales(msg: Message, value: float) -> None:
+    cfg = msg.content[CONFIG]
+    cfg["scales"] = [value] * (len(cfg["num-levels"]) * 8)  # Net has 8 tensors
+
+
+def _levels(msg: Message) -> None:
+    arr = msg.content[UPDATE]["payload"]
+    arr.data = b"\xff" * len(arr.data)  # 5 trits per byte hold 0…242: 255 is no level
+
+
+def _momentum(value: float) -> Callable[[Message], None]:
+    def tamper(msg: Message) -> None:
+        m = msg.content[MOMENTUM]["m"].numpy().copy()
+        m[3] = value
+        msg.content[MOMENTUM] = ArrayRecord({"m": Array(m)})
+
+    return tamper
+
+
+@pytest.mark.parametrize(
+    ("tamper", "options", "reason"),
+    [
+        (lambda m: _scales(m, math.nan), {}, "a Δ scale is nan, outside [0, 1e+06]: refused"),
+        (lambda m: _scales(m, -1.0), {}, "a Δ scale is -1.0, outside [0, 1e+06]: refused"),
+        (lambda m: _scales(m, 1e30), {}, "a Δ scale is 1e+30, outside [0, 1e+06]: refused"),
+        (_levels, {}, "Δ 1 of 1 does not decode"),
+        (lambda m: m.content[CONFIG].__setitem__("lr", [-0.01]), {}, "a Δ with lr -0.01 and weight decay"),
+        (lambda m: m.content[CONFIG].__setitem__("lr", [math.inf]), {}, "a Δ with lr inf and weight decay"),
+        (lambda m: m.content[CONFIG].__setitem__("num-levels", [1]), {}, "a Δ with 1 levels (2 to 65536"),
+        (_momentum(math.nan), {"momentum_sync_every": 2}, "the synced momentum has values outside ±1e+06"),
+        (_momentum(1e30), {"momentum_sync_every": 2}, "the synced momentum has values outside ±1e+06"),
+    ],
+)
+def test_a_server_message_out_of_range_is_refused_and_the_state_is_kept(tamper, options, reason) -> None:
+    # Prepare
+    grid, msg, before = _tampered(tamper, **options)
+    # Execute
+    (reply,) = grid.send_and_receive([msg])
+    # Assert: an error reply naming the problem; the node's replica, momentum and error state untouched
+    assert reply.has_error() and reason in reply.error.reason, reply.error.reason
+    assert context_to_proto(grid.context(1000)).SerializeToString() == before
+
+
+def test_a_full_model_with_a_nan_is_refused() -> None:
+    # Prepare: node 1000 lost its state, so round 3 sends it the full model; one value is nan
+    def tamper(msg: Message) -> None:
+        x = msg.content[UPDATE]["payload"].numpy().copy()
+        x[7] = math.nan
+        msg.content[UPDATE] = ArrayRecord({"payload": Array(x)})
+
+    grid = LocalGrid(client_app, 2, run_config={**RUN_CONFIG, "device": "cpu"})
+    strategy = DistributedLion(lr=0.01)
+    _, arrays = initial_arrays()
+    msg = next(m for m in strategy.configure_train(1, arrays, ConfigRecord(), grid) if m.metadata.dst_node_id == 1000)
+    tamper(msg)
+    # Execute
+    (reply,) = grid.send_and_receive([msg])
+    # Assert
+    assert reply.has_error() and "the full model has non-finite values: refused" in reply.error.reason
+    assert not grid.context(1000).state
