@@ -5,7 +5,8 @@
   and with its settings taken from the run config;
 * ``global-lion``, ``global-adamw``, ``terngrad``: ``clients/gradient.py`` (stateless,
   gradient out);
-* ``fedavg``: ``clients/fedavg.py`` (local SGD epochs, model out).
+* ``fedavg`` and Flower's robust aggregators (``fedmedian``, ``fedtrimmedavg``, ``krum``,
+  ``multikrum``, ``bulyan``): ``clients/fedavg.py`` (local SGD epochs, model out).
 
 The hello of our strategies (a ``query.dlion`` message) is answered by the DLionClient.
 
@@ -26,15 +27,14 @@ from .clients import fedavg, gradient
 from .clients.attacks import attacker
 from .clients.common import PartitionBatches, byzantine, inject_failure, partition_id
 from .clients.dlion import ClientSettings, DLionClient, Tamper
-from .config import DLION_STRATEGIES, read_config
+from .config import DLION_STRATEGIES, FEDAVG_FAMILY, read_config
 from .model import Net
 
 BASELINES = {
     "global-lion": gradient.train,
     "global-adamw": gradient.train,
     "terngrad": gradient.train,
-    "fedavg": fedavg.train,
-}
+} | dict.fromkeys(FEDAVG_FAMILY, fedavg.train)
 
 
 class FashionMNISTClient(DLionClient):

@@ -10,7 +10,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["DEFAULTS", "DLION_ONLY", "DLION_STRATEGIES", "STRATEGIES", "read_config"]
+__all__ = ["DEFAULTS", "DLION_ONLY", "DLION_STRATEGIES", "FEDAVG_FAMILY", "STRATEGIES", "read_config"]
 
 DEFAULTS: dict[str, Any] = {
     "num-server-rounds": 200,
@@ -56,7 +56,9 @@ DEFAULTS: dict[str, Any] = {
     "momentum-dtype": "float32",
 }
 
-STRATEGIES = ("dlion-vote", "dlion-mean", "signsgd-vote", "global-lion", "global-adamw", "terngrad", "fedavg")
+# Flower's FedAvg and its robust aggregators: the same client (local SGD epochs, the model out)
+FEDAVG_FAMILY = ("fedavg", "fedmedian", "fedtrimmedavg", "krum", "multikrum", "bulyan")
+STRATEGIES = ("dlion-vote", "dlion-mean", "signsgd-vote", "global-lion", "global-adamw", "terngrad", *FEDAVG_FAMILY)
 
 _CHOICES = {
     "strategy": STRATEGIES,
@@ -150,13 +152,14 @@ def read_config(run_config: Mapping[str, Any] | None) -> dict[str, Any]:
             raise ValueError(f"run-config '{key}' must be finite and > 0, got {cfg[key]}")
     if cfg["local-batches"] < 0:
         raise ValueError(f"run-config 'local-batches' must be >= 0 (0: whole epochs), got {cfg['local-batches']}")
-    if cfg["local-batches"] and cfg["strategy"] != "fedavg":
-        raise ValueError(f"run-config 'local-batches' applies to 'fedavg' only, not to {cfg['strategy']!r}")
+    if cfg["local-batches"] and cfg["strategy"] not in FEDAVG_FAMILY:
+        raise ValueError(f"run-config 'local-batches' applies to {FEDAVG_FAMILY} only, not to {cfg['strategy']!r}")
     if cfg["checkpoint-every"] < 0:
         raise ValueError(f"run-config 'checkpoint-every' must be >= 0 (0: never), got {cfg['checkpoint-every']}")
-    if cfg["byzantine-fraction"] and cfg["strategy"] not in (*DLION_STRATEGIES, "fedavg"):
+    if cfg["byzantine-fraction"] and cfg["strategy"] not in (*DLION_STRATEGIES, *FEDAVG_FAMILY):
         raise ValueError(
-            f"run-config 'byzantine-fraction' applies to {(*DLION_STRATEGIES, 'fedavg')}, not to {cfg['strategy']!r}"
+            f"run-config 'byzantine-fraction' applies to {(*DLION_STRATEGIES, *FEDAVG_FAMILY)}, "
+            f"not to {cfg['strategy']!r}"
         )
     if cfg["byzantine-mode"] in ("scale", "momentum", "little") and cfg["strategy"] not in DLION_STRATEGIES:
         raise ValueError(
@@ -167,8 +170,10 @@ def read_config(run_config: Mapping[str, Any] | None) -> dict[str, Any]:
         raise ValueError("run-config byzantine-mode 'scale' lies about ef-sign scales: it needs upload = 'ef-sign'")
     if cfg["byzantine-mode"] == "momentum" and not cfg["momentum-sync-every"]:
         raise ValueError("run-config byzantine-mode 'momentum' poisons the synced momentum: set momentum-sync-every")
-    if cfg["strategy"] == "fedavg" and (cfg["checkpoint-every"] or cfg["resume"]):
-        raise ValueError("run-config 'checkpoint-every' / 'resume' need one of our strategies, not Flower's 'fedavg'")
+    if cfg["strategy"] in FEDAVG_FAMILY and (cfg["checkpoint-every"] or cfg["resume"]):
+        raise ValueError(
+            f"run-config 'checkpoint-every' / 'resume' need one of our strategies, not Flower's {cfg['strategy']!r}"
+        )
     if cfg["strategy"] not in DLION_STRATEGIES:
         changed = sorted(k for k in DLION_ONLY if cfg[k] != DEFAULTS[k])
         if changed:

@@ -7,19 +7,20 @@ import json
 import math
 import time
 import uuid
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from logging import INFO
 from pathlib import Path
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, MessageType, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord
 from flwr.serverapp import Grid, ServerApp
-from flwr.serverapp.strategy import FedAvg, Result, Strategy
+from flwr.serverapp.strategy import Bulyan, FedAvg, FedMedian, FedTrimmedAvg, Krum, MultiKrum, Result, Strategy
 from flwr.supercore import log
 
 from .checkpoint import check_resumable, load_checkpoint, save_checkpoint
-from .config import DLION_STRATEGIES, read_config
+from .config import DLION_STRATEGIES, FEDAVG_FAMILY, read_config
 from .data import load_fashion_mnist, to_tensor
 from .metering import Exchange, MeteredGrid
 from .model import Net, evaluate
@@ -87,14 +88,46 @@ def build_strategy(cfg: dict[str, Any], state_key: str = "") -> Strategy:
             momentum=cfg["momentum"],
             **common,
         )
-    if name == "fedavg":
-        return FedAvg(
-            fraction_train=cfg["fraction-train"],
-            fraction_evaluate=0.0,
-            min_train_nodes=cfg["min-train-nodes"],
-            min_available_nodes=cfg["min-available-nodes"],
-        )
+    if name in FEDAVG_FAMILY:
+        return fedavg_family(name, cfg)
     raise ValueError(f"unknown strategy {name!r}")
+
+
+def fedavg_family(name: str, cfg: dict[str, Any]) -> Strategy:
+    """Flower's FedAvg, or one of its robust aggregators, told what it needs to know about the attackers.
+
+    Krum, MultiKrum and Bulyan are given the number of Byzantine clients f = ⌊``byzantine-fraction``
+    · N + ½⌋ of the N connected nodes (the attackers of the fault study: the standard assumption
+    that the defender knows f); MultiKrum averages the N − f best; FedTrimmedAvg trims a fraction
+    ``max(0.1, byzantine-fraction)`` from each end. FedMedian needs nothing.
+    """
+    common = {
+        "fraction_train": cfg["fraction-train"],
+        "fraction_evaluate": 0.0,
+        "min_train_nodes": cfg["min-train-nodes"],
+        "min_available_nodes": cfg["min-available-nodes"],
+    }
+    fraction = cfg["byzantine-fraction"]
+    if name == "fedavg":
+        return FedAvg(**common)
+    if name == "fedmedian":
+        return FedMedian(**common)
+    if name == "fedtrimmedavg":
+        return FedTrimmedAvg(beta=max(0.1, fraction), **common)
+    base = {"krum": Krum, "multikrum": MultiKrum, "bulyan": Bulyan}[name]
+
+    class KnowingTheAttackers(base):  # type: ignore[misc, valid-type]
+        def configure_train(
+            self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+        ) -> Iterable[Message]:
+            n = len(list(grid.get_node_ids()))
+            self.num_malicious_nodes = int(fraction * n + 0.5)
+            if name == "multikrum":
+                self.num_nodes_to_select = n - self.num_malicious_nodes
+            return super().configure_train(server_round, arrays, config, grid)
+
+    KnowingTheAttackers.__name__ = base.__name__
+    return KnowingTheAttackers(**common)
 
 
 def train_config(cfg: dict[str, Any]) -> ConfigRecord:
@@ -106,7 +139,7 @@ def train_config(cfg: dict[str, Any]) -> ConfigRecord:
     if cfg["strategy"] in DLION_STRATEGIES:
         return ConfigRecord()
     values: dict[str, Any] = {"batch-size": cfg["batch-size"], "seed": cfg["seed"]}
-    if cfg["strategy"] == "fedavg":
+    if cfg["strategy"] in FEDAVG_FAMILY:
         values.update(
             {
                 "lr": cfg["lr"],

@@ -11,7 +11,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, Rec
 from flwr.serverapp.strategy import FedAvg
 
 from flower_dlion.client_app import app as client_app
-from flower_dlion.config import STRATEGIES
+from flower_dlion.config import FEDAVG_FAMILY, STRATEGIES
 from flower_dlion.data import load_fashion_mnist, partition_indices, to_tensor
 from flower_dlion.local_grid import LocalGrid
 from flower_dlion.metering import MeteredGrid
@@ -52,10 +52,11 @@ def test_every_strategy_runs_end_to_end_with_measured_bytes(strategy: str, fake_
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert [r["num_replies"] for r in rows[1:]] == [3, 3] and all(r["num_errors"] == 0 for r in rows)
     payload = {"fp32": 4 * D, "sign": -(-D // 8), "tern": 4 * 8 + -(-D // 5)}
-    kind = {"global-lion": "fp32", "global-adamw": "fp32", "fedavg": "fp32", "terngrad": "tern"}.get(strategy, "sign")
+    kind = {"global-lion": "fp32", "global-adamw": "fp32", "terngrad": "tern"}.get(strategy, "sign")
+    kind = "fp32" if strategy in FEDAVG_FAMILY else kind
     for r in rows[1:]:
         per_reply = r["bytes_up"] / 3  # our strategies' round 1 also carries one hello per node (< 600 B)
-        limit = payload[kind] + (5000 if strategy == "fedavg" else 1000) + (600 if r["round"] == 1 else 0)
+        limit = payload[kind] + (5000 if strategy in FEDAVG_FAMILY else 1000) + (600 if r["round"] == 1 else 0)
         assert payload[kind] < per_reply < limit, (kind, per_reply)
         assert r["accuracy"] is not None and r["train_loss"] > 0
     summary = json.loads((tmp_path / "summary.json").read_text())
