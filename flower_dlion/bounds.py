@@ -4,17 +4,18 @@ Imports torch and numpy only. A 1-bit vote bounds each client by construction (o
 coordinate). Three channels carry floats a client picks itself, and each is combined with a
 rule whose breakdown point is one half: fewer than half of the clients, however large the
 numbers they send, cannot move the result outside the range of the honest clients' values.
-The **lower median** of n values is the ⌈n/2⌉-th smallest (torch's ``median``): for n = 2 the
-smaller, so with an honest majority it is always one of the honest values or between them.
+The **median** of n values is the middle one, or the mean of the two middle ones for even n;
+the **lower median** is the ⌈n/2⌉-th smallest (torch's ``median``; of two values, the smaller).
 
 * **Scales of the ef-sign upload** (:func:`clip_scales`): client i's scale for tensor j is cut
   to the lower median of the round's scales of that tensor,
   ``s'ᵢⱼ = min(sᵢⱼ, medianᵢ sᵢⱼ)``. A scaled sign then weighs at most what the median client's
   does, whatever scale it claims; honest scales of one tensor are close to each other, so honest
   rounds barely change (docs/RESULTS.md, *Bounded influence*).
-* **Synchronized momentum** (:func:`median_momentum`): the coordinate-wise lower median of the
-  uploaded momenta, instead of their mean.
-* **Buffers** (:func:`robust_buffers`): the coordinate-wise lower median of the clients' values,
+* **Synchronized momentum** (:func:`median_momentum`): the coordinate-wise median of the
+  uploaded momenta, instead of their mean (the median, not the lower one: it has no bias
+  toward smaller values when n is even).
+* **Buffers** (:func:`robust_buffers`): the coordinate-wise median of the clients' values,
   and for BatchNorm's running variance the median of each client's variance plus its mean's
   squared distance to the median mean (the law of total variance, with medians):
   ``μ = medianᵢ μᵢ``, ``σ² = medianᵢ (σᵢ² + (μᵢ − μ)²)``.
@@ -32,12 +33,17 @@ import torch
 
 from .params import Entry, ModelSpec
 
-__all__ = ["clip_scales", "lower_median", "median_momentum", "robust_buffers"]
+__all__ = ["clip_scales", "lower_median", "median", "median_momentum", "robust_buffers"]
 
 
 def lower_median(values: torch.Tensor) -> torch.Tensor:
     """The ⌈n/2⌉-th smallest of n rows, per column (``torch.median`` along dim 0)."""
     return values.median(dim=0).values
+
+
+def median(values: torch.Tensor) -> torch.Tensor:
+    """The median of n rows, per column: the middle row, or the mean of the two middle rows for even n."""
+    return (lower_median(values) - lower_median(-values)) / 2  # −lower_median(−v): the upper median
 
 
 def clip_scales(scales: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -62,8 +68,8 @@ def clip_scales(scales: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 def median_momentum(momenta: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The coordinate-wise lower median of the clients' momenta (float32)."""
-    return lower_median(torch.stack(list(momenta)))
+    """The coordinate-wise median of the clients' momenta (float32)."""
+    return median(torch.stack(list(momenta)))
 
 
 def robust_buffers(spec: ModelSpec, uploads: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
@@ -82,8 +88,8 @@ def robust_buffers(spec: ModelSpec, uploads: Sequence[np.ndarray]) -> dict[str, 
         values = per_client[e.name]
         means = per_client.get(e.name.removesuffix("running_var") + "running_mean")
         if e.name.endswith("running_var") and means is not None:
-            values = values + (means - lower_median(means)) ** 2  # within-client + between-client
-        out[e.name] = _cast(lower_median(values).numpy(), e).reshape(e.shape)
+            values = values + (means - median(means)) ** 2  # within-client + between-client
+        out[e.name] = _cast(median(values).numpy(), e).reshape(e.shape)
     return out
 
 

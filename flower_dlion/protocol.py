@@ -11,7 +11,7 @@ Server → client (``train``)::
                                    [momentum-sync, momentum-sync-layers], [buffers]
     "dlion.update"   ArrayRecord   one Array "payload": the full x (float32) for kind "full",
                                    the encoded Δs back to back (stype "dlion.levels") for "deltas"
-    "dlion.momentum" ArrayRecord   (after a momentum-sync round) Array "m": the averaged
+    "dlion.momentum" ArrayRecord   (after a momentum-sync round) Array "m": the combined (median)
                                    momentum of the synchronized layers, float32
 
 A new node of a run with ``init = "seed"`` gets "init-seed" and "init-checksum" instead of

@@ -258,11 +258,11 @@ def test_momentum_sync_round_takes_the_median_of_the_momenta_and_sends_it_next_r
     _, metrics = strategy.aggregate_train(2, replies)
     third = strategy.configure_train(3, ArrayRecord(), ConfigRecord(), StubGrid([1, 2, 3]))
     fourth = strategy.configure_train(4, ArrayRecord(), ConfigRecord(), StubGrid([1, 2]))
-    # Assert: the coordinate-wise lower median of the two valid momenta (of two: the smaller) goes
-    # to every node in the next round only
+    # Assert: the coordinate-wise median of the two valid momenta (of two: their mean) goes to every
+    # node in the next round only
     assert metrics["num-rejected"] == 1
     for msg in third:
-        assert msg.content[MOMENTUM]["m"].numpy().tolist() == [1.0, 2.0, 1.0, 0.0]
+        assert msg.content[MOMENTUM]["m"].numpy().tolist() == [2.0, 2.0, 2.0, 2.0]
     assert all(MOMENTUM not in msg.content for msg in fourth)
 
 

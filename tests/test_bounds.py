@@ -35,11 +35,13 @@ def test_scales_are_cut_to_the_lower_median_of_their_tensor() -> None:
     assert clip_scales(torch.tensor([[1.0, 5.0], [1e30, 2.0]]))[0].tolist() == [[1.0, 2.0], [1.0, 2.0]]
 
 
-def test_synced_momentum_is_the_coordinatewise_lower_median() -> None:
+def test_synced_momentum_is_the_coordinatewise_median() -> None:
     big = 2.0**100  # ≈ 1.3·10³⁰, exact in float32
     momenta = [torch.tensor([1.0, -2.0, 3.0]), torch.tensor([-big, 0.0, 1.0]), torch.tensor([2.0, 5.0, big])]
-    assert median_momentum(momenta).tolist() == [1.0, 0.0, 3.0]
-    assert median_momentum(momenta[:2]).tolist() == [-big, -2.0, 1.0]  # two clients: no majority to protect
+    assert median_momentum(momenta).tolist() == [1.0, 0.0, 3.0]  # the liar's ±big never gets through
+    four = [*momenta, torch.tensor([4.0, 1.0, 2.0])]  # even n: the mean of the two middle values
+    assert median_momentum(four).tolist() == [1.5, 0.5, 2.5]
+    assert median_momentum(momenta[:2]).tolist() == [(1.0 - big) / 2, -1.0, 2.0]  # 1 of 2: no majority to protect
 
 
 # ---------------------------------------------------------------- the attacks, as a node sends them
@@ -176,3 +178,22 @@ def test_a_full_model_with_a_nan_is_refused() -> None:
     # Assert
     assert reply.has_error() and "the full model has non-finite values: refused" in reply.error.reason
     assert not grid.context(1000).state
+
+
+@pytest.mark.parametrize(("name", "fraction", "nodes", "attackers"), [("krum", 0.25, 8, 2), ("multikrum", 0.45, 20, 9)])
+def test_krum_and_multikrum_are_told_how_many_attackers_there_are(name, fraction, nodes, attackers) -> None:
+    # Prepare
+    from flwr.serverapp.strategy import Krum, MultiKrum
+
+    from flower_dlion.server_app import build_strategy
+
+    from .test_strategy import StubGrid
+
+    strategy = build_strategy(read_config({"strategy": name, "byzantine-fraction": fraction}))
+    # Execute
+    strategy.configure_train(1, initial_arrays()[1], ConfigRecord(), StubGrid(list(range(1, nodes + 1))))
+    # Assert: f = ⌊fraction · n + ½⌋; MultiKrum averages the n − f best
+    assert isinstance(strategy, {"krum": Krum, "multikrum": MultiKrum}[name]) and type(strategy).__name__ != ""
+    assert strategy.num_malicious_nodes == attackers
+    if name == "multikrum":
+        assert strategy.num_nodes_to_select == nodes - attackers

@@ -16,7 +16,7 @@ One ``train`` message, in order (:meth:`DLionClient.train`):
 
 1. bring the replica x to the server's version (:func:`replica.apply_message`: the full model,
    x₀ from a seed, or the Δs it missed, ``x ← x − lr·(Δ + wd·x)`` as the server applied them);
-   adopt the averaged momentum if the server sent one;
+   adopt the synced momentum if the server sent one (refused unless finite and within ±10⁶);
 2. K = ``local-steps`` Lion steps (``lion.local_steps_``) on a copy of x, each on the mean
    gradient of ``accumulate`` batches taken from ``batches``; U = Σₖ δₖ (with K = 1 this is
    plain D-Lion: δ = sign(β₁·m + (1−β₁)·g), then m ← β₂·m + (1−β₂)·g);

@@ -116,7 +116,13 @@ class DistributedLion(ServerModelStrategy):
 
     and broadcasts Δ exactly as levels (``broadcast_bits=0``) or quantized to p bits with
     server-side error feedback (``broadcast_bits=p``; p = 1: scaled sign). Momenta can be
-    averaged every ``momentum_sync_every`` rounds (Lion Cub).
+    synchronized every ``momentum_sync_every`` rounds (Lion Cub).
+
+    Bounded influence: where clients send floats they choose, the server combines them by lower
+    medians (:mod:`flower_dlion.bounds`): ef-sign scales are cut to the round's lower median per
+    tensor (``s'ᵢⱼ = min(sᵢⱼ, medianᵢ sᵢⱼ)``), the synced momentum is the coordinate-wise
+    median, and so are the buffers. Fewer than half of the clients cannot pull any of them outside
+    the honest clients' range, whatever they send.
 
     Parameters
     ----------
@@ -159,13 +165,13 @@ class DistributedLion(ServerModelStrategy):
         or 2ᵖ − 1 levels with one scale per tensor, keeping the error e on the server.
     momentum_sync_every : int (default: 0)
         Every R rounds, clients also upload their momentum (float32) and the next round
-        sends them the average; 0 never does.
+        sends them the coordinate-wise median; 0 never does.
     momentum_sync_layers : sequence of str (default: ())
         Parameter-name prefixes of the momenta to synchronize; empty means all.
     buffer_sync_every : int (default: 10)
         In round 1, every R-th round and the last round of ``start``, clients with buffers
         (BatchNorm statistics) upload them (float32) and the server's copy becomes their
-        example-weighted mean (``params.average_buffers``); clients keep their own (FedBN).
+        coordinate-wise median (``bounds.robust_buffers``); clients keep their own (FedBN).
         0 never does (the server keeps the initial buffers).
     init_seed : int | None (default: None)
         When the initial model is the clients' ``model_fn()`` built after
@@ -282,7 +288,7 @@ class DistributedLion(ServerModelStrategy):
         self._version_of: dict[int, int] = {}  # partition id → version of its replica (last valid reply)
         self._round: _Round | None = None
         self._server_error: torch.Tensor | None = None  # error feedback of a quantized broadcast
-        self._momentum_avg: torch.Tensor | None = None  # to send in the next round
+        self._synced_momentum: torch.Tensor | None = None  # to send in the next round
         self._mask: torch.Tensor | None = None  # parameters whose momentum is synchronized
         self._seed_failed: set[int] = set()  # partitions whose x₀ from the seed did not match
         self._x0_checksum = 0
@@ -388,8 +394,8 @@ class DistributedLion(ServerModelStrategy):
             content, kind, payload_len = self._content_for(node_id, server_round, rnd)
             if len(config):  # the ServerApp's train_config, where FedAvg puts it
                 content[USER_CONFIG] = config
-            if self._momentum_avg is not None:  # the average of the last sync round's momenta
-                content[MOMENTUM] = ArrayRecord({"m": Array(self._momentum_avg.numpy())})
+            if self._synced_momentum is not None:  # the median of the last sync round's momenta
+                content[MOMENTUM] = ArrayRecord({"m": Array(self._synced_momentum.numpy())})
             msg = Message(
                 content=content, dst_node_id=node_id, message_type=MessageType.TRAIN, group_id=str(server_round)
             )
@@ -399,7 +405,7 @@ class DistributedLion(ServerModelStrategy):
             needs_model = kind != "none" or node_id in rnd.seeded
             rnd.bytes_down_fp32 += size - payload_len + (4 * self.num_parameters if needs_model else 0)
             messages.append(msg)
-        self._momentum_avg = None
+        self._synced_momentum = None
         self._outbox = messages
         return messages
 
@@ -714,9 +720,9 @@ class DistributedLion(ServerModelStrategy):
             scale = self.local_steps if self.upload == "sum" else 1  # agreement: mean |S| / (n·scale)
             agreement = math.nan if self.upload == "ef-sign" else update.sum_abs / (d * n * scale)
             if rnd.momentum_sync:
-                self._momentum_avg = median_momentum([r.momentum for r in valid if r.momentum is not None])
+                self._synced_momentum = median_momentum([r.momentum for r in valid if r.momentum is not None])
             if rnd.buffer_sync:
-                self._average_buffers(valid)
+                self._combine_buffers(valid)
         else:
             log(WARNING, "round %d: %d valid replies < min_replies=%d, x unchanged", server_round, n, self.min_replies)
 
@@ -762,7 +768,7 @@ class DistributedLion(ServerModelStrategy):
         self._state_resets = 0
         return self.arrays(), MetricRecord(metrics)
 
-    def _average_buffers(self, replies: list[_Reply]) -> None:
+    def _combine_buffers(self, replies: list[_Reply]) -> None:
         """The server's buffers ← the median of the replies' (``bounds.robust_buffers``)."""
         assert self.spec is not None
         self._rest.update(robust_buffers(self.spec, [r.buffers.numpy() for r in replies if r.buffers is not None]))
@@ -775,7 +781,7 @@ class DistributedLion(ServerModelStrategy):
             "broadcasts": [vars(b).copy() for b in self._history],
             "version_of": dict(self._version_of),
             "server_error": None if self._server_error is None else self._server_error.clone(),
-            "momentum_avg": None if self._momentum_avg is None else self._momentum_avg.clone(),
+            "synced_momentum": None if self._synced_momentum is None else self._synced_momentum.clone(),
             "seed_failed": sorted(self._seed_failed),
             "x0_checksum": self._x0_checksum,
             "state_key": self.state_key,
@@ -790,7 +796,7 @@ class DistributedLion(ServerModelStrategy):
         self._history = deque(_Broadcast(**b) for b in state["broadcasts"])
         self._version_of = {int(p): int(v) for p, v in state["version_of"].items()}
         self._server_error = state["server_error"]
-        self._momentum_avg = state["momentum_avg"]
+        self._synced_momentum = state["synced_momentum"]
         self._seed_failed = set(state["seed_failed"])
         self._x0_checksum = int(state["x0_checksum"])
         self.state_key = str(state["state_key"])
