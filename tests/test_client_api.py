@@ -168,11 +168,26 @@ def test_a_model_that_differs_from_the_initial_arrays_fails_before_round_one() -
     wrong.head = nn.Linear(64, 12)
     strategy = DistributedLion()
     # Execute / Assert: the message names the first differing tensor; nothing was trained
-    with pytest.raises(
-        ValueError, match=r"tensor 'head.weight': shape \(12, 64\) in the arrays, \(10, 64\) in the model"
-    ):
+    expected = (
+        r"no node can take part: node 1000: its model does not match the initial arrays: "
+        r"tensor 'head.weight': shape \(12, 64\) in the arrays, \(10, 64\) in the model"
+    )
+    with pytest.raises(ValueError, match=expected):
         strategy.start(grid, ArrayRecord(wrong.state_dict()), num_rounds=2)
     assert all(not grid.context(n).state for n in grid.node_ids)
+
+
+def test_a_clientapp_without_dlionclient_is_told_what_to_add() -> None:
+    # Prepare: a FedAvg-style ClientApp (a train handler, nothing for the hello)
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        raise AssertionError("never called")
+
+    # Execute / Assert: the run stops before round 1 and says what to add
+    with pytest.raises(ValueError, match=r"node 1000: its ClientApp has no DLionClient to answer the hello: add"):
+        DistributedLion().start(LocalGrid(app, 2), initial_arrays(), num_rounds=1)
 
 
 class _Wider(ByomNet):
@@ -437,3 +452,15 @@ def test_coin_flips_of_a_relu_model_are_counted_and_said_once(caplog: pytest.Log
     assert [h["coin-flip-fraction"] for h in strategy.history] == [pytest.approx(dead / d)] * 3
     said = [r.getMessage() for r in caplog.records if "of the uploaded signs were coin flips" in r.getMessage()]
     assert len(said) == 1 and said[0].startswith("round 1: 100.0 %")
+
+
+def test_a_train_message_of_another_strategy_is_named() -> None:
+    # Prepare: FedAvg's train message reaches a D-Lion client
+    from flwr.serverapp.strategy import FedAvg
+
+    grid = LocalGrid(byom.app, 2)
+    (msg, _) = FedAvg().configure_train(1, initial_arrays(), ConfigRecord(), grid)
+    # Execute
+    (reply,) = grid.send_and_receive([msg])
+    # Assert
+    assert reply.has_error() and "not DistributedLion's 'dlion.config': does the ServerApp start" in reply.error.reason

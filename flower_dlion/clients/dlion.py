@@ -240,6 +240,11 @@ class DLionClient:
         device = resolve_device(settings.device)
         bound = self.binding(device)
         spec = bound.spec
+        if CONFIG not in msg.content:
+            raise ClientStateError(
+                f"node {context.node_id}: a train message with records {sorted(msg.content.keys())}, not "
+                f"DistributedLion's '{CONFIG}': does the ServerApp start DistributedLion?"
+            )
         cfg = msg.content[CONFIG]
         server_round, seed, key = int(cfg["server-round"]), int(cfg.get("seed", 0)), _node_key(context)
         store = self._store(context, cfg, spec.d, server_round)

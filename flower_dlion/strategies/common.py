@@ -245,6 +245,12 @@ class ServerModelStrategy(Strategy):
         """Take one answer to a hello: the node's key and version, or a logged refusal."""
         node_id, _ = self._reply_node(reply, hellos)
         try:
+            if reply.has_error() and f"No query function registered with name '{HELLO_ACTION}'" in reply.error.reason:
+                raise RejectedReply(
+                    "its ClientApp has no DLionClient to answer the hello: add `dlion = DLionClient(app, Net)` "
+                    "to your client_app.py and call `dlion.train(msg, context, batches)` in its train handler",
+                    final=True,
+                )
             if reply.has_error():
                 raise RejectedReply(error_text(reply))
             if node_id not in new:

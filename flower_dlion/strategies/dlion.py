@@ -295,7 +295,6 @@ class DistributedLion(ServerModelStrategy):
         self._state_resets = 0  # nodes found without their state since the last round
         self._initial: dict[str, np.ndarray] | None = None  # the initial arrays, until x is made from them
         self._described: ModelSpec | None = None  # the model description the first valid hello gave
-        self._layout_errors: list[str] = []  # hellos refused because the model does not match
         self._told_flips = False  # the coin-flip warning was logged
         self._clipped = 0  # ef-sign scales cut to the median in the round in progress
         self.history: list[dict[str, Any]] = []  # one dict of metrics per aggregated round
@@ -360,7 +359,6 @@ class DistributedLion(ServerModelStrategy):
             spec.check_arrays(self._initial)
         except LayoutError as err:
             why = f"its model does not match the {'federation' if reference else 'initial arrays'}: {err}"
-            self._layout_errors.append(f"node {node_id}: {why}")
             raise RejectedReply(why, final=True) from err
         self._described = spec
 
@@ -372,16 +370,18 @@ class DistributedLion(ServerModelStrategy):
         Raises
         ------
         ValueError
-            In the first round, when no node's model matches the initial arrays (the message
-            names the first differing tensor): nothing has been trained.
+            In the first round, when every node that answered was refused for good (its model
+            does not match the initial arrays, naming the first differing tensor; its ClientApp
+            has no DLionClient): nothing has been trained.
 
         """
         if self.x is None:
             self._initial = {name: arr.numpy() for name, arr in arrays.items()}
         node_ids = self._sample(grid, server_round)
         if self.x is None:
-            if self._described is None and self._layout_errors:
-                raise ValueError("no node's model matches the initial arrays; " + "; ".join(self._layout_errors[:3]))
+            if not node_ids and self._refused:
+                reasons = "; ".join(f"node {n}: {why}" for n, why in list(self._refused.items())[:3])
+                raise ValueError(f"no node can take part: {reasons}")
             self._init_model(arrays, self._described)
             self._initial = None
         assert self.x is not None
