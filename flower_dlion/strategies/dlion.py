@@ -118,7 +118,7 @@ class DistributedLion(ServerModelStrategy):
     server-side error feedback (``broadcast_bits=p``; p = 1: scaled sign). Momenta can be
     synchronized every ``momentum_sync_every`` rounds (Lion Cub).
 
-    Bounded influence: where clients send floats they choose, the server combines them by lower
+    Bounded influence: where clients send floats they choose, the server combines them by
     medians (:mod:`flower_dlion.bounds`): ef-sign scales are cut to the round's lower median per
     tensor (``s'ᵢⱼ = min(sᵢⱼ, medianᵢ sᵢⱼ)``), the synced momentum is the coordinate-wise
     median, and so are the buffers. Fewer than half of the clients cannot pull any of them outside
