@@ -35,7 +35,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 from flwr.serverapp.strategy import FedAvg
 from flwr.supercore.task_identity import TaskIdentity
 
-from flower_dlion.protocol import CONFIG, DELTA, HELLO, METRICS, checksum
+from flower_dlion.protocol import CONFIG, HELLO, METRICS, UPLOAD, checksum
 from flower_dlion.strategies import DistributedLion
 
 
@@ -111,7 +111,7 @@ def dlion_round(d: int, n: int, aggregation: str, rng: np.random.Generator) -> C
         for i, msg in enumerate(sent):
             metrics = {"num-examples": 64, "train-loss": 1.0, "version": msg.content[CONFIG]["version"]}
             signs = Array(dtype="bit", shape=(d,), stype="dlion.sign1", data=payloads[i])
-            content = {DELTA: ArrayRecord({"signs": signs}), METRICS: MetricRecord({**metrics, "checksum": replica})}
+            content = {UPLOAD: ArrayRecord({"signs": signs}), METRICS: MetricRecord({**metrics, "checksum": replica})}
             replies.append(Message(RecordDict(content), reply_to=msg))
         start = time.perf_counter()
         _, metrics = strategy.aggregate_train(1, replies)

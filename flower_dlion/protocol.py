@@ -9,7 +9,7 @@ Server → client (``train``)::
                                    local-steps, accumulate, upload,
                                    [local-lr, local-weight-decay], [init-seed, init-checksum],
                                    [momentum-sync, momentum-sync-layers], [buffers]
-    "dlion.update"   ArrayRecord   one Array "payload": the full x (float32) for kind "full",
+    "dlion.update"   ArrayRecord   (``BROADCAST``) one Array "payload": the full x (float32) for kind "full",
                                    the encoded Δs back to back (stype "dlion.levels") for "deltas"
     "dlion.momentum" ArrayRecord   (after a momentum-sync round) Array "m": the combined (median)
                                    momentum of the synchronized layers, float32
@@ -39,7 +39,7 @@ The ``train_config`` a ServerApp passes to ``start`` reaches the client as Flowe
 
 Client → server::
 
-    "dlion.delta"    ArrayRecord   upload "sign" / "ef-sign": Array "signs", dtype "bit",
+    "dlion.delta"    ArrayRecord   (``UPLOAD``) upload "sign" / "ef-sign": Array "signs", dtype "bit",
                                    shape (d,), stype "dlion.sign1", ⌈d/8⌉ bytes;
                                    upload "sum": Array "levels", dtype "level", shape (d,),
                                    stype "dlion.levels", the 2K+1 levels of U + K;
@@ -85,9 +85,9 @@ from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, 
 from .params import state_checksum
 
 __all__ = [
+    "BROADCAST",
     "CLIENT_STATE_ERROR",
     "CONFIG",
-    "DELTA",
     "GRAD_CONFIG",
     "GRAD_METRICS",
     "GRAD_MODEL",
@@ -102,7 +102,7 @@ __all__ = [
     "SEED_MISMATCH",
     "SIGN_STYPE",
     "TERNGRAD_STYPE",
-    "UPDATE",
+    "UPLOAD",
     "USER_CONFIG",
     "RejectedReply",
     "bits_array",
@@ -118,8 +118,8 @@ __all__ = [
 ]
 
 CONFIG = "dlion.config"
-UPDATE = "dlion.update"
-DELTA = "dlion.delta"
+BROADCAST = "dlion.update"  # server → client: Δ, the broadcast update (or the full model); wire name kept
+UPLOAD = "dlion.delta"  # client → server: δ, the client's packed signs; wire name kept
 METRICS = "dlion.metrics"
 MOMENTUM = "dlion.momentum"
 HELLO = "hello"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import time
 import uuid
 from collections.abc import Iterable
@@ -14,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Bulyan, FedAvg, FedMedian, FedTrimmedAvg, Krum, MultiKrum, Result, Strategy
 from flwr.supercore import log
@@ -25,6 +24,7 @@ from .data import load_fashion_mnist, to_tensor
 from .metering import Exchange, MeteredGrid
 from .model import Net, evaluate
 from .protocol import sync_prefixes
+from .results import Recorder
 from .strategies.dlion import DistributedLion
 from .strategies.global_opt import GlobalOptimizer
 
@@ -35,12 +35,6 @@ def default_results_dir(run_id: int) -> Path:
     """``~/flower-dlion/runs/<UTC time>-run<run id>``."""
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     return Path.home() / "flower-dlion" / "runs" / f"{stamp}-run{run_id}"
-
-
-def _json_number(value: float | int | None) -> float | int | None:
-    if value is None or (isinstance(value, float) and not math.isfinite(value)):
-        return None
-    return value
 
 
 def build_strategy(cfg: dict[str, Any], state_key: str = "") -> Strategy:
@@ -198,25 +192,27 @@ def run_federation(grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, s
     strategy = build_strategy(cfg, state_key)
     metered = MeteredGrid(grid, poll_interval=cfg["poll-interval"] or None)
     num_rounds = cfg["num-server-rounds"]
-    results_path = out_dir / "results.jsonl"
-    rows: list[dict[str, Any]] = []
-    evals: dict[int, float] = {}
-    elapsed = {"before": 0.0, "eval": 0.0}  # wall and evaluation seconds of the runs before a resume
+    resumable = isinstance(strategy, (DistributedLion, GlobalOptimizer))  # ours: start_round, on_round_end
     start_round = 1
     if ckpt is not None:
-        assert isinstance(strategy, (DistributedLion, GlobalOptimizer))
+        assert resumable
         strategy.load_state_dict(ckpt["strategy"])
         initial = strategy.arrays()
         start_round = int(ckpt["round"]) + 1
-        rows = list(ckpt["rows"])
-        evals = {int(k): float(v) for k, v in ckpt["evals"].items()}
         metered.exchanges = [Exchange(**e) for e in ckpt["exchanges"]]
-        elapsed = dict(ckpt["elapsed"])
         torch.set_rng_state(ckpt["torch-rng"])
         log(INFO, "[flower-dlion] resuming from %s after round %d", cfg["resume"], start_round - 1)
-    results_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    t_start = time.perf_counter()
-    seen = [len(metered.exchanges)]  # exchanges before the current round
+    recorder = (
+        Recorder(
+            out_dir,
+            metered,
+            list(ckpt["rows"]),
+            {int(k): float(v) for k, v in ckpt["evals"].items()},
+            dict(ckpt["elapsed"]),
+        )
+        if ckpt is not None
+        else Recorder(out_dir, metered)
+    )
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
         """Evaluate x every ``eval-every`` rounds (and first and last); log and record the round."""
@@ -225,67 +221,19 @@ def run_federation(grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, s
             t0 = time.perf_counter()
             model.load_state_dict(arrays.to_torch_state_dict())
             loss, acc = evaluate(model, eval_x, eval_y)
-            evals[server_round] = acc
-            elapsed["eval"] += time.perf_counter() - t0
-        row: dict[str, Any] = {
-            "round": server_round,
-            "accuracy": acc,
-            "loss": loss,
-            "train_loss": None,
-            "bytes_up": 0,
-            "bytes_down": 0,
-            "num_sent": 0,
-            "num_replies": 0,
-            "num_errors": 0,
-        }
+            recorder.elapsed["eval"] += time.perf_counter() - t0
+        row = recorder.record(server_round, acc, loss, strategy)
         if server_round > 0:
-            this_round, seen[0] = metered.exchanges[seen[0] :], len(metered.exchanges)
-            ex = next(e for e in reversed(this_round) if e.message_type == MessageType.TRAIN)
-            row.update(
-                {
-                    "train_loss": ex.train_loss,
-                    "bytes_up": sum(e.bytes_up for e in this_round),  # train and hello messages
-                    "bytes_down": sum(e.bytes_down for e in this_round),
-                    "num_sent": ex.num_sent,
-                    "num_replies": ex.num_replies,
-                    "num_errors": ex.num_errors,
-                }
-            )
-            if isinstance(strategy, DistributedLion):
-                m = strategy.history[-1]
-                row.update(
-                    {
-                        "num_rejected": m["num-rejected"],
-                        "num_failed": m["num-failed"],
-                        "full_syncs": m["full-syncs"],
-                        "catch_ups": m["catch-ups"],
-                        "checksum_mismatches": m["checksum-mismatches"],
-                        "state_resets": m["state-resets"],
-                        "applied": m["applied"],
-                        "bytes_up_fp32": m["bytes-up-fp32"],
-                        "bytes_down_fp32": m["bytes-down-fp32"],
-                        "tie_fraction": m["tie-fraction"],
-                        "agreement": m["agreement"],
-                        "coin_flip_fraction": m["coin-flip-fraction"],
-                    }
-                )
-            elif isinstance(strategy, GlobalOptimizer):
-                row["num_rejected"] = strategy.history[-1]["num-rejected"]
             log(
                 INFO,
                 "[flower-dlion] round %d/%d: %d replies | up %.1f KB | down %.1f KB | %s",
                 server_round,
                 num_rounds,
-                ex.num_replies,
+                row["num_replies"],
                 row["bytes_up"] / 1e3,
                 row["bytes_down"] / 1e3,
                 f"{eval_name} accuracy {acc:.4f}" if acc is not None else "not evaluated",
             )
-        row["wall_time_s"] = round(elapsed["before"] + time.perf_counter() - t_start, 3)
-        row = {k: _json_number(v) for k, v in row.items()}
-        rows.append(row)
-        with results_path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
         return None if acc is None else MetricRecord({"accuracy": acc, "loss": loss})
 
     def on_round_end(server_round: int) -> None:
@@ -293,15 +241,15 @@ def run_federation(grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, s
         every = cfg["checkpoint-every"]
         if not every or (server_round % every and server_round != num_rounds):
             return
-        assert isinstance(strategy, (DistributedLion, GlobalOptimizer))
+        assert resumable
         payload = {
             "round": server_round,
             "run-config": cfg,
             "strategy": strategy.state_dict(),
-            "rows": rows,
-            "evals": evals,
+            "rows": recorder.rows,
+            "evals": recorder.evals,
             "exchanges": [dataclasses.asdict(e) for e in metered.exchanges],
-            "elapsed": {"before": elapsed["before"] + time.perf_counter() - t_start, "eval": elapsed["eval"]},
+            "elapsed": {"before": recorder.wall(), "eval": recorder.elapsed["eval"]},
             "torch-rng": torch.get_rng_state(),
         }
         save_checkpoint(out_dir / "checkpoint.pt", payload)
@@ -309,7 +257,6 @@ def run_federation(grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, s
             strategy.checkpoint_round = server_round  # clients may now drop older state files
         log(INFO, "[flower-dlion] round %d: checkpoint written to %s", server_round, out_dir / "checkpoint.pt")
 
-    resumable = {"start_round": start_round, "on_round_end": on_round_end}  # our strategies' start()
     result = strategy.start(
         grid=metered,
         initial_arrays=initial,
@@ -317,39 +264,23 @@ def run_federation(grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, s
         timeout=cfg["round-timeout"],
         train_config=train_config(cfg),
         evaluate_fn=evaluate_fn,
-        **(resumable if isinstance(strategy, (DistributedLion, GlobalOptimizer)) else {}),
+        **({"start_round": start_round, "on_round_end": on_round_end} if resumable else {}),
     )
-    wall = elapsed["before"] + time.perf_counter() - t_start
-
-    train = [e for e in metered.exchanges if e.message_type == MessageType.TRAIN]
-    up, down = sum(e.bytes_up for e in metered.exchanges), sum(e.bytes_down for e in metered.exchanges)
-    replies = sum(e.num_replies - e.num_errors for e in train)
     d = sum(p.numel() for p in model.parameters())
-    final = evals.get(num_rounds)
-    summary = {
-        "strategy": cfg["strategy"],
-        "eval_set": eval_name,
-        "final_accuracy": final,
-        "best_accuracy": max(evals.values()),
-        "rounds": num_rounds,
-        "wall_time_s": round(wall, 2),
-        "eval_time_s": round(elapsed["eval"], 2),
-        "num_parameters": d,
-        "total_mb_up": up / 1e6,
-        "total_mb_down": down / 1e6,
-        "bytes_up_per_reply": sum(e.bytes_up for e in train) / max(replies, 1),
-        "fp32_model_bytes": 4 * d,
-        "resumed_from_round": start_round - 1 if ckpt is not None else None,
-        "config": cfg,
-    }
-    if isinstance(strategy, DistributedLion):
-        for key in ("up", "down"):
-            fp32 = sum(m[f"bytes-{key}-fp32"] for m in strategy.history)
-            summary[f"fp32_over_sent_{key}"] = fp32 / max(up if key == "up" else down, 1)
+    summary = recorder.summary(
+        strategy,
+        name=cfg["strategy"],
+        eval_set=eval_name,
+        num_rounds=num_rounds,
+        num_parameters=d,
+        resumed_from_round=start_round - 1 if ckpt is not None else None,
+        config=cfg,
+    )
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     if save_model:
         state = model.state_dict() if result.arrays is None else result.arrays.to_torch_state_dict()
         torch.save(state, out_dir / "final_model.pt")
+    final, wall = summary["final_accuracy"], summary["wall_time_s"]
     log(
         INFO,
         "[flower-dlion] done in %.1f s: %s, final %s accuracy %s | total up %.2f MB, down %.2f MB | "
@@ -364,7 +295,7 @@ def run_federation(grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, s
         4 * d / max(summary["bytes_up_per_reply"], 1),
         4 * d,
     )
-    log(INFO, "[flower-dlion] wrote %s", results_path)
+    log(INFO, "[flower-dlion] wrote %s", recorder.path)
     return result
 
 

@@ -15,7 +15,7 @@ from flower_dlion.client_app import app as client_app
 from flower_dlion.clients.attacks import LittleIsEnough, MomentumPoison, ScaleLie
 from flower_dlion.config import read_config
 from flower_dlion.local_grid import LocalGrid
-from flower_dlion.protocol import CONFIG, MOMENTUM, UPDATE
+from flower_dlion.protocol import BROADCAST, CONFIG, MOMENTUM
 from flower_dlion.server_app import run_federation
 from flower_dlion.strategies import DistributedLion
 
@@ -124,7 +124,7 @@ def _scales(msg: Message, value: float) -> None:
 
 
 def _levels(msg: Message) -> None:
-    arr = msg.content[UPDATE]["payload"]
+    arr = msg.content[BROADCAST]["payload"]
     arr.data = b"\xff" * len(arr.data)  # 5 trits per byte hold 0…242: 255 is no level
 
 
@@ -164,9 +164,9 @@ def test_a_server_message_out_of_range_is_refused_and_the_state_is_kept(tamper, 
 def test_a_full_model_with_a_nan_is_refused() -> None:
     # Prepare: node 1000 lost its state, so round 3 sends it the full model; one value is nan
     def tamper(msg: Message) -> None:
-        x = msg.content[UPDATE]["payload"].numpy().copy()
+        x = msg.content[BROADCAST]["payload"].numpy().copy()
         x[7] = math.nan
-        msg.content[UPDATE] = ArrayRecord({"payload": Array(x)})
+        msg.content[BROADCAST] = ArrayRecord({"payload": Array(x)})
 
     grid = LocalGrid(client_app, 2, run_config={**RUN_CONFIG, "device": "cpu"})
     strategy = DistributedLion(lr=0.01)

@@ -26,7 +26,7 @@ from flower_dlion.clients.state import ReplicaState, StateStore, load_state, sav
 from flower_dlion.config import read_config
 from flower_dlion.local_grid import LocalGrid
 from flower_dlion.model import Net, flat_parameters
-from flower_dlion.protocol import DELTA
+from flower_dlion.protocol import UPLOAD
 from flower_dlion.server_app import run_federation
 from flower_dlion.strategies import DistributedLion
 
@@ -178,7 +178,7 @@ def test_byzantine_client_uploads_the_flipped_sign_of_its_honest_direction() -> 
         strategy = DistributedLion(lr=LR, weight_decay=WD)
         msgs = strategy.configure_train(1, initial_arrays()[1], ConfigRecord({"batch-size": 16, "seed": 0}), grid)
         replies = {r.metadata.src_node_id: r for r in grid.send_and_receive(msgs)}
-        uploads[name] = {n: codec.unpack_bits(r.content[DELTA]["signs"].data, D) for n, r in replies.items()}
+        uploads[name] = {n: codec.unpack_bits(r.content[UPLOAD]["signs"].data, D) for n, r in replies.items()}
     # Assert: round 1 has m = 0, so δ = sign(g); partition 0 sends −δ wherever g ≠ 0, partition 1 is unchanged
     g = gradient(flat_parameters(initial_arrays()[0]), 0, 2, 1)
     nonzero = g != 0

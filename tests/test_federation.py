@@ -20,7 +20,7 @@ from flower_dlion.config import read_config
 from flower_dlion.data import load_fashion_mnist, partition_indices, sample_batch, to_tensor
 from flower_dlion.local_grid import LocalGrid
 from flower_dlion.model import Net, flat_gradient, flat_parameters
-from flower_dlion.protocol import DELTA
+from flower_dlion.protocol import UPLOAD
 from flower_dlion.server_app import run_federation
 from flower_dlion.strategies import DistributedLion
 
@@ -165,7 +165,7 @@ def test_replicas_equal_server_x_after_rounds_with_faults(how: str, caplog: pyte
     # Prepare: 4 clients; node 1002's reply is corrupted in round 3, node 1003 loses its state before round 5
     def hook(node_id: int, reply: Message) -> Message:
         if node_id == 1002 and reply.metadata.group_id == "3" and reply.has_content():
-            reply.content[DELTA]["signs"].data = b"\x00"
+            reply.content[UPLOAD]["signs"].data = b"\x00"
         return reply
 
     grid = LocalGrid(client_app, 4, run_config=RUN_CONFIG, reply_hook=hook)

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flower_dlion import codec
-from flower_dlion.protocol import CONFIG, DELTA, HELLO, METRICS, UPDATE, checksum, message_bytes, to_array
+from flower_dlion.protocol import BROADCAST, CONFIG, HELLO, METRICS, UPLOAD, checksum, message_bytes, to_array
 from flower_dlion.strategies import DistributedLion
 
 
@@ -56,7 +56,7 @@ def signs_reply(instruction: Message, signs: list[int], x: torch.Tensor | None =
     packed = codec.pack_signs(torch.tensor(signs, dtype=torch.float32)).numpy().tobytes()
     array = Array(dtype="bit", shape=(len(signs),), stype="dlion.sign1", data=packed)
     return Message(
-        RecordDict({DELTA: ArrayRecord({"signs": array}), METRICS: MetricRecord(metrics)}), reply_to=instruction
+        RecordDict({UPLOAD: ArrayRecord({"signs": array}), METRICS: MetricRecord(metrics)}), reply_to=instruction
     )
 
 
@@ -109,7 +109,7 @@ def test_first_round_sends_full_model_to_new_nodes() -> None:
     for msg in sent.values():
         cfg = msg.content[CONFIG]
         assert cfg["kind"] == "full" and cfg["version"] == 0 and msg.content["config"]["batch-size"] == 8
-        np.testing.assert_array_equal(msg.content[UPDATE]["payload"].numpy(), X0)
+        np.testing.assert_array_equal(msg.content[BROADCAST]["payload"].numpy(), X0)
     assert strategy.num_parameters == 10
 
 
@@ -155,7 +155,7 @@ def test_second_round_broadcasts_packed_delta_that_decodes_to_the_applied_update
     msgs = strategy.configure_train(2, ArrayRecord(), ConfigRecord(), StubGrid([1, 2, 3, 4]))
     # Assert
     for msg in msgs:
-        cfg, payload = msg.content[CONFIG], msg.content[UPDATE]["payload"]
+        cfg, payload = msg.content[CONFIG], msg.content[BROADCAST]["payload"]
         assert cfg["kind"] == "deltas" and cfg["base-version"] == 0 and cfg["version"] == 1
         assert cfg["num-levels"] == [3] and payload.stype == "dlion.levels"
         assert len(payload.data) == 2  # ⌈10/5⌉ bytes: 1.6 bits per parameter
@@ -169,14 +169,14 @@ def test_second_round_broadcasts_packed_delta_that_decodes_to_the_applied_update
 
 def _corruptions(instruction: Message) -> dict[str, tuple[Message, str]]:
     good = signs_reply(instruction, SIGNS[0])
-    arr = good.content[DELTA]["signs"]
+    arr = good.content[UPLOAD]["signs"]
     metrics = dict(good.content[METRICS])
 
     def with_content(**records: object) -> Message:
         return Message(RecordDict(records), reply_to=instruction)
 
     def with_array(a: Array) -> Message:
-        return with_content(**{DELTA: ArrayRecord({"signs": a}), METRICS: MetricRecord(metrics)})
+        return with_content(**{UPLOAD: ArrayRecord({"signs": a}), METRICS: MetricRecord(metrics)})
 
     return {
         "wrong length": (
@@ -192,13 +192,13 @@ def _corruptions(instruction: Message) -> dict[str, tuple[Message, str]]:
             "stype 'numpy.ndarray'",
         ),
         "wrong dtype": (with_array(Array(np.ones(10, dtype=np.float32))), "dtype"),
-        "missing record": (with_content(**{DELTA: good.content[DELTA]}), "records ['dlion.delta'], expected"),
+        "missing record": (with_content(**{UPLOAD: good.content[UPLOAD]}), "records ['dlion.delta'], expected"),
         "extra record": (
-            with_content(**{DELTA: good.content[DELTA], METRICS: MetricRecord(metrics), "x": ConfigRecord({"a": 1})}),
+            with_content(**{UPLOAD: good.content[UPLOAD], METRICS: MetricRecord(metrics), "x": ConfigRecord({"a": 1})}),
             "records",
         ),
         "nan loss": (
-            with_content(**{DELTA: good.content[DELTA], METRICS: MetricRecord({**metrics, "train-loss": math.nan})}),
+            with_content(**{UPLOAD: good.content[UPLOAD], METRICS: MetricRecord({**metrics, "train-loss": math.nan})}),
             "'train-loss' is nan",
         ),
         "stale version": (signs_reply(instruction, SIGNS[0], version=7), "replica at version 7, expected 0"),
@@ -288,7 +288,7 @@ def test_message_bytes_counts_each_distinct_object_once() -> None:
     def message() -> Message:
         data = bytes(3 * chunk) + b"tail"
         signs = Array(dtype="bit", shape=(8 * len(data),), stype="dlion.sign1", data=data)
-        content = {DELTA: ArrayRecord({"signs": signs}), METRICS: MetricRecord({"version": 1})}
+        content = {UPLOAD: ArrayRecord({"signs": signs}), METRICS: MetricRecord({"version": 1})}
         return Message(RecordDict(content), dst_node_id=1, message_type="train")
 
     # Execute

@@ -52,13 +52,13 @@ from .. import codec, lion, quantizers
 from ..params import Binding, LossFn, cross_entropy_loss, layer_mask, state_checksum
 from ..protocol import (
     CONFIG,
-    DELTA,
     HELLO,
     HELLO_ACTION,
     LEVELS_STYPE,
     METRICS,
     MOMENTUM,
     SIGN_STYPE,
+    UPLOAD,
     bits_array,
     sync_prefixes,
     to_array,
@@ -245,32 +245,36 @@ class DLionClient:
                 f"node {context.node_id}: a train message with records {sorted(msg.content.keys())}, not "
                 f"DistributedLion's '{CONFIG}': does the ServerApp start DistributedLion?"
             )
-        cfg = msg.content[CONFIG]
-        server_round, seed, key = int(cfg["server-round"]), int(cfg.get("seed", 0)), _node_key(context)
-        store = self._store(context, cfg, spec.d, server_round)
+        round_config = msg.content[CONFIG]
+        server_round, seed, key = (
+            int(round_config["server-round"]),
+            int(round_config.get("seed", 0)),
+            _node_key(context),
+        )
+        store = self._store(context, round_config, spec.d, server_round)
 
         # 1. the replica at the server's version, and the synced momentum
         state = apply_message(msg.content, store.load(spec.d, device), spec, device, context.node_id, self._seed_fn)
-        sync = bool(cfg.get("momentum-sync", 0))
+        sync = bool(round_config.get("momentum-sync", 0))
         mask = None
         if sync or MOMENTUM in msg.content:  # parameters whose momentum is synchronized
-            mask = layer_mask(spec.layout, sync_prefixes(str(cfg.get("momentum-sync-layers", "")))).to(device)
+            mask = layer_mask(spec.layout, sync_prefixes(str(round_config.get("momentum-sync-layers", "")))).to(device)
         if MOMENTUM in msg.content:
             _adopt_momentum(state, msg.content[MOMENTUM], mask, context.node_id)
         bound.load_rest_(state.rest)
 
         # 2.–3. the local Lion steps and the upload
         gen = _generator(device, seed, key, server_round)  # coin flips for exact zeros
-        work = _LocalWork(bound, self.loss_fn, batches, accumulate=int(cfg.get("accumulate", 1)))
+        work = _LocalWork(bound, self.loss_fn, batches, accumulate=int(round_config.get("accumulate", 1)))
         flips: list[int] = []  # how many signs were coin flips (exact zeros of the Lion mix)
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(_seed(seed, key, server_round, 1))  # the batches' shuffles, dropout
-            arrays = _upload(state, cfg, spec.sizes, work, gen, tamper, flips)
+            arrays = _upload(state, round_config, spec.sizes, work, gen, tamper, flips)
         if sync:
             assert mask is not None
             arrays["momentum"] = to_array(state.m[mask].cpu().numpy())
         state.rest.update({name: t.clone() for name, t in bound.buffers().items()})  # the client's own buffers
-        if cfg.get("buffers", 0):
+        if round_config.get("buffers", 0):
             arrays["buffers"] = to_array(_flat_buffers(state, spec))
         if tamper is not None:
             arrays = tamper.arrays(arrays)
@@ -286,7 +290,7 @@ class DLionClient:
             "coin-flips": sum(flips),
         }
         store.save(host)
-        return Message(content=RecordDict({DELTA: ArrayRecord(arrays), METRICS: MetricRecord(metrics)}), reply_to=msg)
+        return Message(content=RecordDict({UPLOAD: ArrayRecord(arrays), METRICS: MetricRecord(metrics)}), reply_to=msg)
 
     # ------------------------------------------------------------------ helpers
     def _seed_fn(self, seed: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -296,7 +300,7 @@ class DLionClient:
             seeded = Binding(self.model_fn())
         return seeded.flat_parameters(), seeded.rest()
 
-    def _store(self, context: Context, cfg: ConfigRecord, d: int, server_round: int) -> StateStore:
+    def _store(self, context: Context, round_config: ConfigRecord, d: int, server_round: int) -> StateStore:
         """Where this node's state lives for this message (see :class:`ClientSettings`)."""
         s = self.settings(context)
         in_context = s.state_in_context
@@ -323,11 +327,15 @@ class DLionClient:
         root = s.state_dir or (None if in_context else str(default_state_dir()))
         folder = None
         if root is not None:
-            run = str(cfg.get("state-key", "")) or f"run-{context.run_id}"
+            run = str(round_config.get("state-key", "")) or f"run-{context.run_id}"
             folder = Path(root).expanduser() / run / node_label(context)
-        as_of = int(cfg.get("state-round", server_round - 1 if server_round else -1))
+        as_of = int(round_config.get("state-round", server_round - 1 if server_round else -1))
         return StateStore(
-            context, in_context=in_context, folder=folder, as_of=as_of, keep_round=int(cfg.get("keep-round", 0))
+            context,
+            in_context=in_context,
+            folder=folder,
+            as_of=as_of,
+            keep_round=int(round_config.get("keep-round", 0)),
         )
 
     def _tell_once(self, what: str, fmt: str, *args: object) -> None:
@@ -372,7 +380,7 @@ class _LocalWork:
 
 def _upload(
     state: ReplicaState,
-    cfg: ConfigRecord,
+    round_config: ConfigRecord,
     sizes: list[int],
     work: _LocalWork,
     gen: torch.Generator,
@@ -384,8 +392,8 @@ def _upload(
     ``flips`` gets the number of signs sent as coin flips (exact zeros; the sign upload only).
     """
     d = state.x.numel()
-    steps, upload = int(cfg.get("local-steps", 1)), str(cfg.get("upload", "sign"))
-    beta1, beta2 = float(cfg["beta1"]), float(cfg["beta2"])
+    steps, upload = int(round_config.get("local-steps", 1)), str(round_config.get("upload", "sign"))
+    beta1, beta2 = float(round_config["beta1"]), float(round_config["beta2"])
     if steps == 1 and upload == "sign" and tamper is None:  # one fused pass over m and g
         packed = codec.pack_local_step_(state.m, work.gradient(state.x, 0), beta1, beta2, gen, flips=flips)
         return {"signs": bits_array(packed, d, SIGN_STYPE)}
@@ -395,8 +403,8 @@ def _upload(
         state.m,
         work.gradient,
         steps=steps,
-        lr=float(cfg.get("local-lr", 0.0)),
-        weight_decay=float(cfg.get("local-weight-decay", 0.0)),
+        lr=float(round_config.get("local-lr", 0.0)),
+        weight_decay=float(round_config.get("local-weight-decay", 0.0)),
         beta1=beta1,
         beta2=beta2,
     )

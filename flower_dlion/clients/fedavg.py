@@ -28,22 +28,22 @@ __all__ = ["train"]
 def train(msg: Message, context: Context) -> Message:
     """Handle one FedAvg ``train`` message."""
     settings, device, model = setup(context)
-    cfg = msg.content["config"]
+    round_config = msg.content["config"]
     model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
     ds, rows, pid = partition(context, settings)
     images, labels = to_tensor(ds.x_train[rows]).to(device), torch.from_numpy(ds.y_train[rows]).to(device)
     opt = torch.optim.SGD(
         model.parameters(),
-        lr=float(cfg["lr"]),
-        momentum=float(cfg["momentum"]),
-        weight_decay=float(cfg["weight-decay"]),
+        lr=float(round_config["lr"]),
+        momentum=float(round_config["momentum"]),
+        weight_decay=float(round_config["weight-decay"]),
     )
-    rng = np.random.default_rng([int(cfg["seed"]), pid, int(cfg["server-round"])])
-    batch_size = int(cfg["batch-size"])
+    rng = np.random.default_rng([int(round_config["seed"]), pid, int(round_config["server-round"])])
+    batch_size = int(round_config["batch-size"])
     model.train()
     total, seen = 0.0, 0
-    max_batches = int(cfg.get("local-batches", 0))  # 0: whole epochs
-    for _ in range(int(cfg["local-epochs"])):
+    max_batches = int(round_config.get("local-batches", 0))  # 0: whole epochs
+    for _ in range(int(round_config["local-epochs"])):
         order = torch.from_numpy(rng.permutation(rows.size)).to(device)
         starts = range(0, rows.size, batch_size)
         for start in starts[:max_batches] if max_batches else starts:
@@ -62,7 +62,7 @@ def train(msg: Message, context: Context) -> Message:
             "arrays": ArrayRecord(state),
             "metrics": MetricRecord(
                 {
-                    "num-examples": int(rows.size) if not max_batches else seen // int(cfg["local-epochs"]),
+                    "num-examples": int(rows.size) if not max_batches else seen // int(round_config["local-epochs"]),
                     "train-loss": total / max(seen, 1),
                 }
             ),

@@ -32,26 +32,26 @@ def encode_terngrad(g: torch.Tensor, sizes: list[int], generator: torch.Generato
 def train(msg: Message, context: Context) -> Message:
     """Handle one ``train`` message: gradient at the received x, sent as fp32 or TernGrad."""
     settings, device, model = setup(context)
-    cfg = msg.content[GRAD_CONFIG]
+    round_config = msg.content[GRAD_CONFIG]
     spec = ModelSpec.from_module(model)
     d, mine = spec.d, layout_fingerprint(spec.layout)
-    if cfg.get("layout", mine) != mine:
-        raise ClientStateError(f"node {context.node_id}: server model layout {cfg['layout']} != {mine}")
+    if round_config.get("layout", mine) != mine:
+        raise ClientStateError(f"node {context.node_id}: server model layout {round_config['layout']} != {mine}")
     x = msg.content[GRAD_MODEL]["x"].numpy()
     if x.shape != (d,) or x.dtype != np.float32:
         raise ClientStateError(f"node {context.node_id}: model has {x.shape} {x.dtype}, expected ({d},) float32")
-    server_round, seed = int(cfg["server-round"]), int(cfg.get("seed", settings["seed"]))
-    batch_size = int(cfg.get("batch-size", settings["batch-size"]))
+    server_round, seed = int(round_config["server-round"]), int(round_config.get("seed", settings["seed"]))
+    batch_size = int(round_config.get("batch-size", settings["batch-size"]))
     images, labels, pid = batch(
         context, settings, server_round=server_round, seed=seed, batch_size=batch_size, device=device
     )
     loss, g = flat_gradient(model, torch.from_numpy(x).to(device), images, labels)
-    if cfg["encoding"] == "fp32":
+    if round_config["encoding"] == "fp32":
         payload = to_array(g.cpu().numpy())
-    elif cfg["encoding"] == "terngrad":
+    elif round_config["encoding"] == "terngrad":
         payload = encode_terngrad(g, spec.sizes, seeded_generator(device, seed, pid, server_round))
     else:
-        raise ClientStateError(f"node {context.node_id}: unknown encoding {cfg['encoding']!r}")
+        raise ClientStateError(f"node {context.node_id}: unknown encoding {round_config['encoding']!r}")
     reply = RecordDict(
         {
             GRAD_UPDATE: ArrayRecord({"payload": payload}),

@@ -27,7 +27,7 @@ from flwr.app import RecordDict
 
 from .. import codec, quantizers
 from ..params import ModelSpec, layout_fingerprint, state_checksum
-from ..protocol import CONFIG, LEVELS_STYPE, REST, SEED_MISMATCH, UPDATE
+from ..protocol import BROADCAST, CONFIG, LEVELS_STYPE, REST, SEED_MISMATCH
 from .state import ClientStateError, ReplicaState
 
 __all__ = ["SCALE_LIMIT", "SeedFn", "apply_message"]
@@ -46,12 +46,12 @@ def apply_message(
     seed_fn: SeedFn | None = None,
 ) -> ReplicaState:
     """The replica at the version the server sent (``state`` is updated in place where it can be)."""
-    cfg = content[CONFIG]
-    kind, version, d = cfg["kind"], int(cfg["version"]), spec.d
-    if kind == "full" or (state is None and "init-seed" in cfg):
-        _check_layout(cfg, spec, node_id)
+    round_config = content[CONFIG]
+    kind, version, d = round_config["kind"], int(round_config["version"]), spec.d
+    if kind == "full" or (state is None and "init-seed" in round_config):
+        _check_layout(round_config, spec, node_id)
     if kind == "full":
-        payload = content[UPDATE]["payload"].numpy()
+        payload = content[BROADCAST]["payload"].numpy()
         if payload.shape != (d,) or payload.dtype != np.float32:
             raise ClientStateError(
                 f"node {node_id}: full model has {payload.shape} {payload.dtype}, expected ({d},) float32"
@@ -63,14 +63,14 @@ def apply_message(
         if state is None:
             return ReplicaState(x, torch.zeros(d, device=device), version, rest=rest)
         return ReplicaState(x, state.m, version, state.error, rest=rest)  # a resync keeps its momentum
-    if state is None and "init-seed" in cfg:
-        state = _seeded_state(cfg, spec, device, node_id, seed_fn)
+    if state is None and "init-seed" in round_config:
+        state = _seeded_state(round_config, spec, device, node_id, seed_fn)
     if state is None:
         raise ClientStateError(
             f"node {node_id} has no replica (new node, or its state was lost) but received kind={kind!r}; "
             "the server must send the full model"
         )
-    base = int(cfg["base-version"])
+    base = int(round_config["base-version"])
     if kind == "none" and state.version != base:
         raise ClientStateError(f"node {node_id}: replica at version {state.version}, server's is {base}")
     if not base <= state.version <= version:
@@ -85,10 +85,10 @@ def apply_message(
     return state
 
 
-def _check_layout(cfg: dict, spec: ModelSpec, node_id: int) -> None:
+def _check_layout(round_config: dict, spec: ModelSpec, node_id: int) -> None:
     ours = layout_fingerprint(spec.layout)
-    if cfg.get("layout", ours) != ours:
-        raise ClientStateError(f"node {node_id}: server model layout {cfg['layout']} != client's {ours}")
+    if round_config.get("layout", ours) != ours:
+        raise ClientStateError(f"node {node_id}: server model layout {round_config['layout']} != client's {ours}")
 
 
 def _received_rest(content: RecordDict, spec: ModelSpec, device: torch.device, node_id: int) -> dict[str, torch.Tensor]:
@@ -114,17 +114,17 @@ def _received_rest(content: RecordDict, spec: ModelSpec, device: torch.device, n
 
 
 def _seeded_state(
-    cfg: dict, spec: ModelSpec, device: torch.device, node_id: int, seed_fn: SeedFn | None
+    round_config: dict, spec: ModelSpec, device: torch.device, node_id: int, seed_fn: SeedFn | None
 ) -> ReplicaState:
     """x₀ (and the rest) built from the server's seed, checked against the server's checksum."""
     if seed_fn is None:
         raise ClientStateError(f"node {node_id}: the server sent a seed, but this client cannot build x₀ from one")
-    x0, rest0 = seed_fn(int(cfg["init-seed"]))
+    x0, rest0 = seed_fn(int(round_config["init-seed"]))
     mine = state_checksum(x0, rest0)
-    if x0.numel() != spec.d or mine != int(cfg["init-checksum"]):
+    if x0.numel() != spec.d or mine != int(round_config["init-checksum"]):
         raise ClientStateError(
-            f"node {node_id}: {SEED_MISMATCH} {cfg['init-seed']} has checksum {mine}, the server's is "
-            f"{cfg['init-checksum']} (a different torch version?); the server will send the full model"
+            f"node {node_id}: {SEED_MISMATCH} {round_config['init-seed']} has checksum {mine}, the server's is "
+            f"{round_config['init-checksum']} (a different torch version?); the server will send the full model"
         )
     return ReplicaState(
         x0.to(device), torch.zeros(spec.d, device=device), 0, rest={k: v.to(device) for k, v in rest0.items()}
@@ -135,13 +135,13 @@ def _apply_deltas(
     content: RecordDict, state: ReplicaState, spec: ModelSpec, device: torch.device, node_id: int, *, skip: int
 ) -> None:
     """X ← x − lr·(Δ + wd·x) for each received Δ after the first ``skip`` (those x already has)."""
-    cfg, d, sizes = content[CONFIG], spec.d, spec.sizes
-    arr = content[UPDATE]["payload"]
+    round_config, d, sizes = content[CONFIG], spec.d, spec.sizes
+    arr = content[BROADCAST]["payload"]
     if arr.stype != LEVELS_STYPE:
         raise ClientStateError(f"node {node_id}: update stype {arr.stype!r}, expected {LEVELS_STYPE!r}")
     buf = codec.as_uint8(arr.data).to(device)  # packed bytes go to the device
-    scales = list(cfg.get("scales", []))
-    steps = _check_steps(cfg, node_id)
+    scales = list(round_config.get("scales", []))
+    steps = _check_steps(round_config, node_id)
     if scales and len(scales) != len(steps) * len(sizes):
         raise ClientStateError(
             f"node {node_id}: {len(scales)} scales for {len(steps)} Δs of a model of {len(sizes)} tensors"
@@ -169,9 +169,9 @@ def _apply_deltas(
         raise ClientStateError(f"node {node_id}: update has {buf.numel()} bytes, its Δs use {offset}")
 
 
-def _check_steps(cfg: dict, node_id: int) -> list[tuple[int, float, float]]:
+def _check_steps(round_config: dict, node_id: int) -> list[tuple[int, float, float]]:
     """(levels, lr, weight decay) of each received Δ, each in range, or ClientStateError."""
-    steps = list(zip(cfg["num-levels"], cfg["lr"], cfg["weight-decay"], strict=True))
+    steps = list(zip(round_config["num-levels"], round_config["lr"], round_config["weight-decay"], strict=True))
     for num_levels, lr, wd in steps:
         if not (isinstance(num_levels, int) and 2 <= num_levels <= 1 << 16):
             raise ClientStateError(f"node {node_id}: a Δ with {num_levels!r} levels (2 to 65536 allowed): refused")

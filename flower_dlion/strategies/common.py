@@ -12,8 +12,9 @@ import io
 import math
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from logging import INFO, WARNING
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import torch
@@ -27,11 +28,21 @@ from flwr.supercore import log
 from ..params import Entry, ModelSpec
 from ..protocol import HELLO, HELLO_ACTION, RejectedReply, error_text, to_array
 
-__all__ = ["Layout", "ServerModelStrategy", "check_common_args", "spec_of_arrays"]
+__all__ = ["CheckedReplies", "Layout", "ServerModelStrategy", "check_common_args", "spec_of_arrays"]
 
 HELLO_TYPE = f"{MessageType.QUERY}.{HELLO_ACTION}"
 
 Layout = list[tuple[str, tuple[int, ...]]]
+R = TypeVar("R")
+
+
+@dataclass
+class CheckedReplies(Generic[R]):
+    """The replies of one round, sorted out by :meth:`ServerModelStrategy._check_and_log_replies`."""
+
+    valid: list[R] = field(default_factory=list)  # what the check made of each valid reply, in arrival order
+    answered: set[int] = field(default_factory=set)  # nodes that replied, validly or not
+    rejected: int = 0  # replies refused (malformed, stale, an error, a node's second reply)
 
 
 def check_common_args(*, lr: float, weight_decay: float, betas: dict[str, float]) -> None:
@@ -207,6 +218,39 @@ class ServerModelStrategy(Strategy):
                         del self._node_of[pid]
                     return node_id, pid
         return node_id, self.partition_of(node_id)
+
+    def _check_and_log_replies(
+        self,
+        server_round: int,
+        replies: Iterable[Message],
+        check: Callable[[Message], R],
+        on_rejected: Callable[[Message, int, int, RejectedReply, bool], None] | None = None,
+    ) -> CheckedReplies[R]:
+        """Validate each reply with ``check``; log and count the ones it refuses, and second replies.
+
+        ``check(msg)`` returns the parsed reply or raises :class:`RejectedReply`. For a refused
+        reply, ``on_rejected(msg, node_id, partition, error, stray)`` is called before the node is
+        marked as answered; ``stray`` is true when no train message was sent to that node this
+        round or it already answered (a stray reply says nothing about the node's replica).
+        """
+        out: CheckedReplies[R] = CheckedReplies()
+        for msg in replies:
+            node_id, pid = self._reply_node(msg)  # for a SuperLink error reply: the node it speaks for
+            try:
+                if node_id in out.answered:
+                    raise RejectedReply("a second reply from this node in this round")
+                parsed = check(msg)
+            except RejectedReply as err:
+                out.rejected += 1
+                if on_rejected is not None:
+                    on_rejected(msg, node_id, pid, err, node_id in out.answered)
+                out.answered.add(node_id)
+                why = "round %d: rejected reply from node %d (partition %d): %s"
+                log(WARNING, why, server_round, node_id, pid, err)
+                continue
+            out.answered.add(node_id)
+            out.valid.append(parsed)
+        return out
 
     def _hello_config(self, server_round: int) -> ConfigRecord:
         """What a hello carries (subclasses add their keys)."""

@@ -19,9 +19,9 @@ from .. import codec, lion, quantizers
 from ..bounds import clip_scales, median_momentum, robust_buffers
 from ..params import LayoutError, ModelSpec, layer_mask, layout_fingerprint, state_checksum
 from ..protocol import (
+    BROADCAST,
     CLIENT_STATE_ERROR,
     CONFIG,
-    DELTA,
     LEVELS_STYPE,
     METRICS,
     MOMENTUM,
@@ -30,7 +30,7 @@ from ..protocol import (
     REST,
     SEED_MISMATCH,
     SIGN_STYPE,
-    UPDATE,
+    UPLOAD,
     USER_CONFIG,
     RejectedReply,
     check_envelope,
@@ -40,7 +40,7 @@ from ..protocol import (
     read_metrics,
     to_array,
 )
-from .common import ServerModelStrategy, check_common_args
+from .common import CheckedReplies, ServerModelStrategy, check_common_args
 
 __all__ = ["DistributedLion", "RejectedReply"]
 
@@ -293,6 +293,7 @@ class DistributedLion(ServerModelStrategy):
         self._seed_failed: set[int] = set()  # partitions whose x₀ from the seed did not match
         self._x0_checksum = 0
         self._state_resets = 0  # nodes found without their state since the last round
+        self._resyncs = 0  # replies of the round in progress that showed a replica checksum/version mismatch
         self._initial: dict[str, np.ndarray] | None = None  # the initial arrays, until x is made from them
         self._described: ModelSpec | None = None  # the model description the first valid hello gave
         self._told_flips = False  # the coin-flip warning was logged
@@ -418,24 +419,26 @@ class DistributedLion(ServerModelStrategy):
 
     def _round_config(self, server_round: int, rnd: _Round) -> ConfigRecord:
         """The keys every client gets this round (non-default options only, to save bytes)."""
-        cfg = ConfigRecord({"server-round": server_round, "version": self.version, "seed": self.sample_seed})
-        cfg.update({"beta1": self.beta1, "beta2": self.beta2})
+        round_config = ConfigRecord({"server-round": server_round, "version": self.version, "seed": self.sample_seed})
+        round_config.update({"beta1": self.beta1, "beta2": self.beta2})
         if self.local_steps > 1:
-            cfg.update({"local-steps": self.local_steps, "local-lr": self.lr, "local-weight-decay": self.weight_decay})
+            round_config.update(
+                {"local-steps": self.local_steps, "local-lr": self.lr, "local-weight-decay": self.weight_decay}
+            )
         if self.accumulate > 1:
-            cfg["accumulate"] = self.accumulate
+            round_config["accumulate"] = self.accumulate
         if self.upload != "sign":
-            cfg["upload"] = self.upload
+            round_config["upload"] = self.upload
         if rnd.momentum_sync:
-            cfg["momentum-sync"] = 1
+            round_config["momentum-sync"] = 1
         if rnd.buffer_sync:
-            cfg["buffers"] = 1
+            round_config["buffers"] = 1
         if self.momentum_sync_every and self.momentum_sync_layers:
-            cfg["momentum-sync-layers"] = ",".join(self.momentum_sync_layers)
+            round_config["momentum-sync-layers"] = ",".join(self.momentum_sync_layers)
         if self.state_key:
-            cfg.update(self._hello_config(server_round))
-            cfg["keep-round"] = self.checkpoint_round
-        return cfg
+            round_config.update(self._hello_config(server_round))
+            round_config["keep-round"] = self.checkpoint_round
+        return round_config
 
     def _hello_config(self, server_round: int) -> ConfigRecord:
         """With state files: the run's key and the round whose end state a node starts from."""
@@ -463,14 +466,14 @@ class DistributedLion(ServerModelStrategy):
     def _content_for(self, node_id: int, server_round: int, rnd: _Round) -> tuple[RecordDict, str, int]:
         """The message content for one node, its kind, and its payload length in bytes."""
         assert self.x is not None
-        cfg = self._round_config(server_round, rnd)
+        round_config = self._round_config(server_round, rnd)
         pid = self.partition_of(node_id)
         have = self._version_of.get(pid)
         if have is None and self.init_seed is not None and pid not in self._seed_failed:
             if self.version == 0 or self._chain_since(0) is not None:  # x₀ from the seed, then the Δs
                 have = 0
                 rnd.seeded.add(node_id)
-                cfg.update(
+                round_config.update(
                     {
                         "init-seed": self.init_seed,
                         "init-checksum": self._x0_checksum,
@@ -479,12 +482,12 @@ class DistributedLion(ServerModelStrategy):
                 )
         chain = self._chain_since(have) if have is not None else None
         if have == self.version:
-            cfg.update({"kind": "none", "base-version": have})
-            return RecordDict({CONFIG: cfg}), "none", 0
+            round_config.update({"kind": "none", "base-version": have})
+            return RecordDict({CONFIG: round_config}), "none", 0
         if chain is not None:
             rnd.chain_lengths[node_id] = len(chain)
             payload = b"".join(b.payload for b in chain)
-            cfg.update(
+            round_config.update(
                 {
                     "kind": "deltas",
                     "base-version": have,
@@ -495,11 +498,15 @@ class DistributedLion(ServerModelStrategy):
             )
             if any(b.scales is not None for b in chain):
                 ones = (1.0,) * len(self._layout)
-                cfg["scales"] = [v for b in chain for v in (b.scales if b.scales is not None else ones)]
+                round_config["scales"] = [v for b in chain for v in (b.scales if b.scales is not None else ones)]
             array = Array(dtype="level", shape=(len(chain) * self.num_parameters,), stype=LEVELS_STYPE, data=payload)
-            return RecordDict({CONFIG: cfg, UPDATE: ArrayRecord({"payload": array})}), "deltas", len(payload)
-        cfg.update({"kind": "full", "base-version": -1, "layout": layout_fingerprint(self._layout)})
-        content = RecordDict({CONFIG: cfg, UPDATE: ArrayRecord({"payload": to_array(self.x.numpy())})})
+            return (
+                RecordDict({CONFIG: round_config, BROADCAST: ArrayRecord({"payload": array})}),
+                "deltas",
+                len(payload),
+            )
+        round_config.update({"kind": "full", "base-version": -1, "layout": layout_fingerprint(self._layout)})
+        content = RecordDict({CONFIG: round_config, BROADCAST: ArrayRecord({"payload": to_array(self.x.numpy())})})
         if self._rest:  # frozen parameters and buffers
             content[REST] = ArrayRecord({name: to_array(a) for name, a in self._rest.items()})
         return content, "full", 4 * self.num_parameters
@@ -535,13 +542,13 @@ class DistributedLion(ServerModelStrategy):
     def _check_reply(self, msg: Message, rnd: _Round) -> _Reply:
         """Validate one reply; return it parsed, or raise RejectedReply."""
         node_id = msg.metadata.src_node_id
-        check_envelope(msg, rnd.sent.keys(), rnd.server_round, (DELTA, METRICS))
+        check_envelope(msg, rnd.sent.keys(), rnd.server_round, (UPLOAD, METRICS))
         content = msg.content
-        record = content[DELTA]
+        record = content[UPLOAD]
         expected = self._expected_arrays(rnd)
         if not isinstance(record, ArrayRecord) or set(record.keys()) != set(expected):
             got = sorted(record.keys()) if isinstance(record, ArrayRecord) else type(record).__name__
-            raise RejectedReply(f"'{DELTA}' must be an ArrayRecord holding {sorted(expected)}, got {got}")
+            raise RejectedReply(f"'{UPLOAD}' must be an ArrayRecord holding {sorted(expected)}, got {got}")
         d = self.num_parameters
         floats = {}
         for name, (stype, dtype, nbytes) in expected.items():
@@ -660,72 +667,90 @@ class DistributedLion(ServerModelStrategy):
         rnd = self._round
         if rnd is None or rnd.server_round != server_round or self.x is None:
             raise RuntimeError(f"aggregate_train({server_round}) without configure_train for that round")
-        d = self.num_parameters
-        valid: list[_Reply] = []
-        bytes_up = bytes_up_fp32 = rejected = mismatches = 0
-        answered: set[int] = set()
-        for msg in replies:
-            node_id, pid = self._reply_node(msg)  # for a SuperLink error reply: the node it speaks for
-            size = message_bytes(msg)
-            bytes_up += size
-            try:
-                if node_id in answered:
-                    raise RejectedReply("a second reply from this node in this round")
-                reply = self._check_reply(msg, rnd)
-            except RejectedReply as err:
-                rejected += 1
-                bytes_up_fp32 += size
-                if node_id not in rnd.sent or node_id in answered:
-                    pass  # a stray reply says nothing about the node's replica
-                elif err.resync or (msg.has_error() and CLIENT_STATE_ERROR in msg.error.reason):
-                    self._version_of.pop(pid, None)  # its replica is unknown: the full model next time
-                    mismatches += int(err.resync)
-                    if msg.has_error() and node_id in rnd.seeded and SEED_MISMATCH in msg.error.reason:
-                        self._seed_failed.add(pid)  # the full model from now on
-                answered.add(node_id)
-                log(
-                    WARNING, "round %d: rejected reply from node %d (partition %d): %s", server_round, node_id, pid, err
-                )
-                continue
-            answered.add(node_id)
-            bytes_up_fp32 += size - len(reply.data) + 4 * d
-            valid.append(reply)
-        valid.sort(key=lambda r: r.node_id)  # a fixed order: float sums (ef-sign, momenta) are reproducible
+        replies = list(replies)
+        checked = self._check_and_log_replies(
+            server_round, replies, lambda msg: self._check_reply(msg, rnd), self._on_rejected
+        )
+        valid = sorted(checked.valid, key=lambda r: r.node_id)  # a fixed order: float sums are reproducible
         for r in valid:  # confirmed at the round's base version; the others keep their last confirmed one
             self._version_of[self.partition_of(r.node_id)] = rnd.base_version
-        for node_id in set(rnd.sent) - answered:
+        for node_id in sorted(set(rnd.sent) - checked.answered):
             pid = self.partition_of(node_id)
             log(WARNING, "round %d: no reply from node %d (partition %d)", server_round, node_id, pid)
-
-        n = len(valid)
         tie_fraction = agreement = 0.0
-        applied = n >= self.min_replies
+        applied = len(valid) >= self.min_replies
         if applied:
-            update, scales = self._aggregate(valid)
-            weight_decay = self.weight_decay * self.local_steps  # K local steps' worth of decay
-            s = None if scales is None else torch.tensor(scales)
-            quantizers.apply_delta_(self.x, update.levels, update.num_levels, s, self.sizes, self.lr, weight_decay)
-            self.version += 1
-            self._remember(
-                _Broadcast(
-                    self.version,
-                    update.num_levels,
-                    self.lr,
-                    weight_decay,
-                    update.encoded,
-                    scales,
-                )
-            )
-            tie_fraction = update.ties / d
-            scale = self.local_steps if self.upload == "sum" else 1  # agreement: mean |S| / (n·scale)
-            agreement = math.nan if self.upload == "ef-sign" else update.sum_abs / (d * n * scale)
-            if rnd.momentum_sync:
-                self._synced_momentum = median_momentum([r.momentum for r in valid if r.momentum is not None])
-            if rnd.buffer_sync:
-                self._combine_buffers(valid)
+            tie_fraction, agreement = self._apply(valid, rnd)
         else:
-            log(WARNING, "round %d: %d valid replies < min_replies=%d, x unchanged", server_round, n, self.min_replies)
+            n, least = len(valid), self.min_replies
+            log(WARNING, "round %d: %d valid replies < min_replies=%d, x unchanged", server_round, n, least)
+        metrics = self._round_metrics(rnd, replies, valid, checked, applied, tie_fraction, agreement)
+        self.history.append({"round": server_round, **metrics})
+        self._round = None
+        self._state_resets = self._resyncs = 0
+        return self.arrays(), MetricRecord(metrics)
 
+    def result_row(self) -> dict[str, int | float]:
+        """The last round's fields for ``results.jsonl`` (see :class:`flower_dlion.results.Recorder`)."""
+        m = self.history[-1]
+        keys = ("num-rejected", "num-failed", "full-syncs", "catch-ups", "checksum-mismatches", "state-resets")
+        keys += ("applied", "bytes-up-fp32", "bytes-down-fp32", "tie-fraction", "agreement", "coin-flip-fraction")
+        return {key.replace("-", "_"): m[key] for key in keys}
+
+    def result_summary(self, bytes_up: int, bytes_down: int) -> dict[str, float]:
+        """How many times fewer bytes than float32 messages the run sent, up and down."""
+        return {
+            f"fp32_over_sent_{key}": sum(m[f"bytes-{key}-fp32"] for m in self.history) / max(sent, 1)
+            for key, sent in (("up", bytes_up), ("down", bytes_down))
+        }
+
+    def _on_rejected(self, msg: Message, node_id: int, pid: int, err: RejectedReply, again: bool) -> None:
+        """A refused reply from a node of this round: what it says about the node's replica."""
+        rnd = self._round
+        assert rnd is not None
+        if node_id not in rnd.sent or again:
+            return  # a stray reply says nothing about the node's replica
+        if err.resync or (msg.has_error() and CLIENT_STATE_ERROR in msg.error.reason):
+            self._version_of.pop(pid, None)  # its replica is unknown: the full model next time
+            self._resyncs += int(err.resync)
+            if msg.has_error() and node_id in rnd.seeded and SEED_MISMATCH in msg.error.reason:
+                self._seed_failed.add(pid)  # the full model from now on
+
+    def _apply(self, valid: list[_Reply], rnd: _Round) -> tuple[float, float]:
+        """Aggregate the valid replies into Δ, apply it to x, keep it for lagging clients.
+
+        Also combines the round's momenta and buffers. Returns the share of tied coordinates
+        and the agreement (mean |S| / (n·scale); NaN for ef-sign).
+        """
+        assert self.x is not None
+        d, n = self.num_parameters, len(valid)
+        update, scales = self._aggregate(valid)
+        weight_decay = self.weight_decay * self.local_steps  # K local steps' worth of decay
+        s = None if scales is None else torch.tensor(scales)
+        quantizers.apply_delta_(self.x, update.levels, update.num_levels, s, self.sizes, self.lr, weight_decay)
+        self.version += 1
+        self._remember(_Broadcast(self.version, update.num_levels, self.lr, weight_decay, update.encoded, scales))
+        scale = self.local_steps if self.upload == "sum" else 1
+        agreement = math.nan if self.upload == "ef-sign" else update.sum_abs / (d * n * scale)
+        if rnd.momentum_sync:
+            self._synced_momentum = median_momentum([r.momentum for r in valid if r.momentum is not None])
+        if rnd.buffer_sync:
+            self._combine_buffers(valid)
+        return update.ties / d, agreement
+
+    def _round_metrics(
+        self,
+        rnd: _Round,
+        replies: list[Message],
+        valid: list[_Reply],
+        checked: CheckedReplies[_Reply],
+        applied: bool,
+        tie_fraction: float,
+        agreement: float,
+    ) -> dict[str, int | float]:
+        """The round's row: replies, faults, bytes as measured and as fp32 would have been, coin flips."""
+        d, n = self.num_parameters, len(valid)
+        bytes_up = sum(message_bytes(msg) for msg in replies)
         flip_fraction = sum(r.values.get("coin-flips", 0) for r in valid) / (d * n) if n else 0.0
         if flip_fraction > COIN_FLIP_WARNING and not self._told_flips:
             self._told_flips = True
@@ -734,20 +759,21 @@ class DistributedLion(ServerModelStrategy):
                 "round %d: %.1f %% of the uploaded signs were coin flips: exact zeros of β₁·m + (1−β₁)·g, which "
                 "1 bit cannot carry (e.g. ReLU units inactive on a whole batch); those coordinates move by ±lr at "
                 "random (metric coin-flip-fraction; SiLU/GELU or a larger batch avoid it)",
-                server_round,
+                rnd.server_round,
                 100 * flip_fraction,
             )
         losses = [r.values["train-loss"] for r in valid]
         examples = [r.values["num-examples"] for r in valid]
         total = sum(examples)
-        metrics = {
+        clipped, self._clipped = self._clipped, 0
+        return {
             "num-replies": n,
-            "num-rejected": rejected,
-            "num-failed": len(set(rnd.sent) - answered),
+            "num-rejected": checked.rejected,
+            "num-failed": len(set(rnd.sent) - checked.answered),
             "num-sampled": len(rnd.sent),
             "full-syncs": sum(1 for kind in rnd.sent.values() if kind == "full"),
             "catch-ups": sum(1 for b in rnd.chain_lengths.values() if b > 1),
-            "checksum-mismatches": mismatches,
+            "checksum-mismatches": self._resyncs,
             "state-resets": self._state_resets,
             "applied": int(applied),
             "version": self.version,
@@ -755,18 +781,13 @@ class DistributedLion(ServerModelStrategy):
             "num-examples": int(total),
             "bytes-up": int(bytes_up),
             "bytes-down": int(rnd.bytes_down),
-            "bytes-up-fp32": int(bytes_up_fp32),
+            "bytes-up-fp32": int(bytes_up + sum(4 * d - len(r.data) for r in valid)),  # a valid reply's δ as fp32
             "bytes-down-fp32": int(rnd.bytes_down_fp32),
             "tie-fraction": tie_fraction,
             "agreement": agreement,
             "coin-flip-fraction": flip_fraction,
-            "clipped-scales": self._clipped,
+            "clipped-scales": clipped,
         }
-        self._clipped = 0
-        self.history.append({"round": server_round, **metrics})
-        self._round = None
-        self._state_resets = 0
-        return self.arrays(), MetricRecord(metrics)
 
     def _combine_buffers(self, replies: list[_Reply]) -> None:
         """The server's buffers ← the median of the replies' (``bounds.robust_buffers``)."""

@@ -179,11 +179,11 @@ class GlobalOptimizer(ServerModelStrategy):
             self._init_model(arrays)
         assert self.x is not None
         node_ids = self._sample(grid, server_round)
-        cfg = ConfigRecord(dict(config))
-        cfg.update(
+        round_config = ConfigRecord(dict(config))
+        round_config.update(
             {"server-round": server_round, "encoding": self.encoding, "layout": layout_fingerprint(self._layout)}
         )
-        content = RecordDict({GRAD_CONFIG: cfg, GRAD_MODEL: ArrayRecord({"x": Array(self.x.numpy().copy())})})
+        content = RecordDict({GRAD_CONFIG: round_config, GRAD_MODEL: ArrayRecord({"x": Array(self.x.numpy().copy())})})
         self._open_round = server_round
         self._sent = dict.fromkeys(node_ids, server_round)
         self._outbox = [
@@ -227,32 +227,13 @@ class GlobalOptimizer(ServerModelStrategy):
         """Validate the replies, average their gradients and take one optimizer step."""
         if self.x is None or server_round != self._open_round:
             raise RuntimeError(f"aggregate_train({server_round}) without configure_train for that round")
+        checked = self._check_and_log_replies(server_round, replies, lambda msg: self._check_reply(msg, server_round))
         total: torch.Tensor | None = None
-        n = rejected = 0
-        losses, examples = [], []
-        answered: set[int] = set()
-        for msg in replies:
-            node_id, _ = self._reply_node(msg)  # for a SuperLink error reply: the node it speaks for
-            try:
-                if node_id in answered:
-                    raise RejectedReply("a second reply from this node in this round")
-                answered.add(node_id)
-                g, values = self._check_reply(msg, server_round)
-            except RejectedReply as err:
-                rejected += 1
-                log(
-                    WARNING,
-                    "round %d: rejected reply from node %d (partition %d): %s",
-                    server_round,
-                    node_id,
-                    self.partition_of(node_id),
-                    err,
-                )
-                continue
+        for g, _ in checked.valid:
             total = g if total is None else total.add_(g)
-            n += 1
-            losses.append(values["train-loss"])
-            examples.append(values["num-examples"])
+        n = len(checked.valid)
+        losses = [values["train-loss"] for _, values in checked.valid]
+        examples = [values["num-examples"] for _, values in checked.valid]
         applied = n >= self.min_replies and total is not None
         if applied:
             self._step(total.div_(n))  # ĝ = (1/n) Σ gᵢ
@@ -261,7 +242,7 @@ class GlobalOptimizer(ServerModelStrategy):
         num_examples = sum(examples)
         metrics = {
             "num-replies": n,
-            "num-rejected": rejected,
+            "num-rejected": checked.rejected,
             "num-sampled": len(self._sent),
             "applied": int(applied),
             "train-loss": sum(v * e for v, e in zip(losses, examples, strict=True)) / num_examples
@@ -272,6 +253,10 @@ class GlobalOptimizer(ServerModelStrategy):
         self.history.append({"round": server_round, **metrics})
         self._sent, self._open_round = {}, 0
         return self.arrays(), MetricRecord(metrics)
+
+    def result_row(self) -> dict[str, int]:
+        """The last round's fields for ``results.jsonl`` (see :class:`flower_dlion.results.Recorder`)."""
+        return {"num_rejected": self.history[-1]["num-rejected"]}
 
     def state_dict(self) -> dict[str, Any]:
         """x, the optimizer's state and the metrics so far."""
