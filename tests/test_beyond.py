@@ -216,7 +216,7 @@ def test_ef_sign_upload_and_one_bit_broadcast_with_server_error_feedback() -> No
     scales = [np.abs(mean[:6]).mean(), np.abs(mean[6:]).mean()]
     sent_delta = np.where(mean >= 0, 1.0, -1.0) * np.repeat(np.array(scales, np.float32), SIZES)
     np.testing.assert_allclose(strategy.x.numpy(), X0 - 0.1 * sent_delta, rtol=1e-6)
-    np.testing.assert_allclose(strategy._server_error.numpy(), mean - sent_delta, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(strategy.state.server_error.numpy(), mean - sent_delta, rtol=1e-6, atol=1e-7)
     # … and the broadcast carries the scales, which give clients exactly the server's x
     cfg = nxt[0].content[CONFIG]
     assert cfg["num-levels"] == [2] and len(cfg["scales"]) == 2

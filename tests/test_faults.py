@@ -431,7 +431,7 @@ def test_strategy_state_dict_round_trips_through_a_checkpoint(tmp_path: Path) ->
     assert a.keys() == b.keys()
     for n in a:
         assert a[n].content["dlion.config"] == b[n].content["dlion.config"]
-    assert torch.equal(strategy.x, other.x) and torch.equal(strategy._server_error, other._server_error)
+    assert torch.equal(strategy.x, other.x) and torch.equal(strategy.state.server_error, other.state.server_error)
 
 
 @pytest.mark.parametrize(("version", "kind"), [(0, "deltas"), (-1, "full")])

@@ -60,6 +60,47 @@ class _Broadcast:
 
 
 @dataclass
+class ServerState:
+    """What the server keeps between rounds besides x, and all a checkpoint needs of it.
+
+    ``to_dict`` / ``from_dict`` are the checkpoint's conversion (torch-saveable values only).
+    """
+
+    version: int = 0  # Δs applied to x since the start
+    broadcasts: deque[_Broadcast] = field(default_factory=deque)  # the last Δs, encoded, for lagging clients
+    version_of: dict[int, int] = field(default_factory=dict)  # partition → its replica's version (last valid reply)
+    server_error: torch.Tensor | None = None  # error feedback of a quantized broadcast
+    synced_momentum: torch.Tensor | None = None  # the median of the last sync round's momenta, to send next
+    seed_failed: set[int] = field(default_factory=set)  # partitions whose x₀ from the seed did not match
+    x0_checksum: int = 0  # of x₀ and the rest of the model, for clients that build x₀ from the seed
+
+    def to_dict(self) -> dict[str, Any]:
+        """The state as plain values (copies)."""
+        return {
+            "version": self.version,
+            "broadcasts": [vars(b).copy() for b in self.broadcasts],
+            "version_of": dict(self.version_of),
+            "server_error": None if self.server_error is None else self.server_error.clone(),
+            "synced_momentum": None if self.synced_momentum is None else self.synced_momentum.clone(),
+            "seed_failed": sorted(self.seed_failed),
+            "x0_checksum": self.x0_checksum,
+        }
+
+    @classmethod
+    def from_dict(cls, state: dict[str, Any]) -> ServerState:
+        """Inverse of :meth:`to_dict`."""
+        return cls(
+            version=int(state["version"]),
+            broadcasts=deque(_Broadcast(**b) for b in state["broadcasts"]),
+            version_of={int(p): int(v) for p, v in state["version_of"].items()},
+            server_error=state["server_error"],
+            synced_momentum=state["synced_momentum"],
+            seed_failed=set(state["seed_failed"]),
+            x0_checksum=int(state["x0_checksum"]),
+        )
+
+
+@dataclass
 class _Reply:
     """One validated client reply."""
 
@@ -283,15 +324,9 @@ class DistributedLion(ServerModelStrategy):
         self.checkpoint_round = 0  # the latest checkpoint's round (clients keep their state as of it)
 
         # Global model and its bookkeeping, set from the initial arrays in round 1.
-        self.version = 0
-        self._history: deque[_Broadcast] = deque()
-        self._version_of: dict[int, int] = {}  # partition id → version of its replica (last valid reply)
+        self.state = ServerState()
         self._round: _Round | None = None
-        self._server_error: torch.Tensor | None = None  # error feedback of a quantized broadcast
-        self._synced_momentum: torch.Tensor | None = None  # to send in the next round
         self._mask: torch.Tensor | None = None  # parameters whose momentum is synchronized
-        self._seed_failed: set[int] = set()  # partitions whose x₀ from the seed did not match
-        self._x0_checksum = 0
         self._state_resets = 0  # nodes found without their state since the last round
         self._resyncs = 0  # replies of the round in progress that showed a replica checksum/version mismatch
         self._initial: dict[str, np.ndarray] | None = None  # the initial arrays, until x is made from them
@@ -299,6 +334,11 @@ class DistributedLion(ServerModelStrategy):
         self._told_flips = False  # the coin-flip warning was logged
         self._clipped = 0  # ef-sign scales cut to the median in the round in progress
         self.history: list[dict[str, Any]] = []  # one dict of metrics per aggregated round
+
+    @property
+    def version(self) -> int:
+        """The number of Δs applied to x since the start."""
+        return self.state.version
 
     # ------------------------------------------------------------------ summary
     def summary(self) -> None:
@@ -337,7 +377,7 @@ class DistributedLion(ServerModelStrategy):
         super()._init_model(arrays, spec)
         assert self.x is not None
         self._mask = layer_mask(self._layout, self.momentum_sync_layers)
-        self._x0_checksum = state_checksum(self.x, self._rest)
+        self.state.x0_checksum = state_checksum(self.x, self._rest)
 
     def _check_hello(self, node_id: int, record: ConfigRecord | MetricRecord) -> None:
         """Refuse a node whose model does not match the initial arrays or the federation's model.
@@ -386,7 +426,7 @@ class DistributedLion(ServerModelStrategy):
             self._init_model(arrays, self._described)
             self._initial = None
         assert self.x is not None
-        rnd = _Round(server_round, self.version, checksum(self.x))
+        rnd = _Round(server_round, self.state.version, checksum(self.x))
         rnd.momentum_sync = bool(self.momentum_sync_every) and server_round % self.momentum_sync_every == 0
         rnd.buffer_sync = self._buffer_round(server_round)
         self._round = rnd
@@ -395,8 +435,8 @@ class DistributedLion(ServerModelStrategy):
             content, kind, payload_len = self._content_for(node_id, server_round, rnd)
             if len(config):  # the ServerApp's train_config, where FedAvg puts it
                 content[USER_CONFIG] = config
-            if self._synced_momentum is not None:  # the median of the last sync round's momenta
-                content[MOMENTUM] = ArrayRecord({"m": Array(self._synced_momentum.numpy())})
+            if self.state.synced_momentum is not None:  # the median of the last sync round's momenta
+                content[MOMENTUM] = ArrayRecord({"m": Array(self.state.synced_momentum.numpy())})
             msg = Message(
                 content=content, dst_node_id=node_id, message_type=MessageType.TRAIN, group_id=str(server_round)
             )
@@ -406,7 +446,7 @@ class DistributedLion(ServerModelStrategy):
             needs_model = kind != "none" or node_id in rnd.seeded
             rnd.bytes_down_fp32 += size - payload_len + (4 * self.num_parameters if needs_model else 0)
             messages.append(msg)
-        self._synced_momentum = None
+        self.state.synced_momentum = None
         self._outbox = messages
         return messages
 
@@ -419,7 +459,9 @@ class DistributedLion(ServerModelStrategy):
 
     def _round_config(self, server_round: int, rnd: _Round) -> ConfigRecord:
         """The keys every client gets this round (non-default options only, to save bytes)."""
-        round_config = ConfigRecord({"server-round": server_round, "version": self.version, "seed": self.sample_seed})
+        round_config = ConfigRecord(
+            {"server-round": server_round, "version": self.state.version, "seed": self.sample_seed}
+        )
         round_config.update({"beta1": self.beta1, "beta2": self.beta2})
         if self.local_steps > 1:
             round_config.update(
@@ -449,10 +491,10 @@ class DistributedLion(ServerModelStrategy):
     def _on_new_node(self, pid: int, node_id: int, version: int, previous: int | None) -> None:
         """Keep the partition's version if the node can start from it; else it gets the full model."""
         super()._on_new_node(pid, node_id, version, previous)
-        known = self._version_of.get(pid)
-        if known is None or known <= version <= self.version:
+        known = self.state.version_of.get(pid)
+        if known is None or known <= version <= self.state.version:
             return  # a new partition (full model), or a node that holds its replica (Δs since `known`)
-        self._version_of.pop(pid)
+        self.state.version_of.pop(pid)
         self._state_resets += 1
         log(
             WARNING,
@@ -468,20 +510,20 @@ class DistributedLion(ServerModelStrategy):
         assert self.x is not None
         round_config = self._round_config(server_round, rnd)
         pid = self.partition_of(node_id)
-        have = self._version_of.get(pid)
-        if have is None and self.init_seed is not None and pid not in self._seed_failed:
-            if self.version == 0 or self._chain_since(0) is not None:  # x₀ from the seed, then the Δs
+        have = self.state.version_of.get(pid)
+        if have is None and self.init_seed is not None and pid not in self.state.seed_failed:
+            if self.state.version == 0 or self._chain_since(0) is not None:  # x₀ from the seed, then the Δs
                 have = 0
                 rnd.seeded.add(node_id)
                 round_config.update(
                     {
                         "init-seed": self.init_seed,
-                        "init-checksum": self._x0_checksum,
+                        "init-checksum": self.state.x0_checksum,
                         "layout": layout_fingerprint(self._layout),
                     }
                 )
         chain = self._chain_since(have) if have is not None else None
-        if have == self.version:
+        if have == self.state.version:
             round_config.update({"kind": "none", "base-version": have})
             return RecordDict({CONFIG: round_config}), "none", 0
         if chain is not None:
@@ -513,10 +555,10 @@ class DistributedLion(ServerModelStrategy):
 
     def _chain_since(self, have: int) -> list[_Broadcast] | None:
         """The Δs from version ``have`` to now, if kept and smaller than the full model."""
-        needed = self.version - have
-        if needed <= 0 or needed > len(self._history):
+        needed = self.state.version - have
+        if needed <= 0 or needed > len(self.state.broadcasts):
             return None
-        chain = list(self._history)[-needed:]
+        chain = list(self.state.broadcasts)[-needed:]
         if chain[0].version != have + 1 or sum(len(b.payload) for b in chain) >= 4 * self.num_parameters:
             return None
         return chain
@@ -654,10 +696,10 @@ class DistributedLion(ServerModelStrategy):
             target = votes.float() * (k / n)
         else:
             target = votes.float() / n
-        if self._server_error is None:
-            self._server_error = torch.zeros_like(target)
+        if self.state.server_error is None:
+            self.state.server_error = torch.zeros_like(target)
         num_levels = 2 if self.broadcast_bits == 1 else 2**self.broadcast_bits - 1
-        levels, scales = quantizers.ef_quantize_(target, self._server_error, self.sizes, num_levels)
+        levels, scales = quantizers.ef_quantize_(target, self.state.server_error, self.sizes, num_levels)
         return lion.Levels(levels, num_levels), tuple(float(v) for v in scales)
 
     def aggregate_train(
@@ -673,7 +715,7 @@ class DistributedLion(ServerModelStrategy):
         )
         valid = sorted(checked.valid, key=lambda r: r.node_id)  # a fixed order: float sums are reproducible
         for r in valid:  # confirmed at the round's base version; the others keep their last confirmed one
-            self._version_of[self.partition_of(r.node_id)] = rnd.base_version
+            self.state.version_of[self.partition_of(r.node_id)] = rnd.base_version
         for node_id in sorted(set(rnd.sent) - checked.answered):
             pid = self.partition_of(node_id)
             log(WARNING, "round %d: no reply from node %d (partition %d)", server_round, node_id, pid)
@@ -711,10 +753,10 @@ class DistributedLion(ServerModelStrategy):
         if node_id not in rnd.sent or again:
             return  # a stray reply says nothing about the node's replica
         if err.resync or (msg.has_error() and CLIENT_STATE_ERROR in msg.error.reason):
-            self._version_of.pop(pid, None)  # its replica is unknown: the full model next time
+            self.state.version_of.pop(pid, None)  # its replica is unknown: the full model next time
             self._resyncs += int(err.resync)
             if msg.has_error() and node_id in rnd.seeded and SEED_MISMATCH in msg.error.reason:
-                self._seed_failed.add(pid)  # the full model from now on
+                self.state.seed_failed.add(pid)  # the full model from now on
 
     def _apply(self, valid: list[_Reply], rnd: _Round) -> tuple[float, float]:
         """Aggregate the valid replies into Δ, apply it to x, keep it for lagging clients.
@@ -728,12 +770,12 @@ class DistributedLion(ServerModelStrategy):
         weight_decay = self.weight_decay * self.local_steps  # K local steps' worth of decay
         s = None if scales is None else torch.tensor(scales)
         quantizers.apply_delta_(self.x, update.levels, update.num_levels, s, self.sizes, self.lr, weight_decay)
-        self.version += 1
-        self._remember(_Broadcast(self.version, update.num_levels, self.lr, weight_decay, update.encoded, scales))
+        self.state.version += 1
+        self._remember(_Broadcast(self.state.version, update.num_levels, self.lr, weight_decay, update.encoded, scales))
         scale = self.local_steps if self.upload == "sum" else 1
         agreement = math.nan if self.upload == "ef-sign" else update.sum_abs / (d * n * scale)
         if rnd.momentum_sync:
-            self._synced_momentum = median_momentum([r.momentum for r in valid if r.momentum is not None])
+            self.state.synced_momentum = median_momentum([r.momentum for r in valid if r.momentum is not None])
         if rnd.buffer_sync:
             self._combine_buffers(valid)
         return update.ties / d, agreement
@@ -776,7 +818,7 @@ class DistributedLion(ServerModelStrategy):
             "checksum-mismatches": self._resyncs,
             "state-resets": self._state_resets,
             "applied": int(applied),
-            "version": self.version,
+            "version": self.state.version,
             "train-loss": sum(v * e for v, e in zip(losses, examples, strict=True)) / total if total else math.nan,
             "num-examples": int(total),
             "bytes-up": int(bytes_up),
@@ -796,37 +838,28 @@ class DistributedLion(ServerModelStrategy):
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """x, its version, the kept Δs, each partition's version and the error/momentum buffers."""
-        return super().state_dict() | {
-            "version": self.version,
-            "broadcasts": [vars(b).copy() for b in self._history],
-            "version_of": dict(self._version_of),
-            "server_error": None if self._server_error is None else self._server_error.clone(),
-            "synced_momentum": None if self._synced_momentum is None else self._synced_momentum.clone(),
-            "seed_failed": sorted(self._seed_failed),
-            "x0_checksum": self._x0_checksum,
-            "state_key": self.state_key,
-            "history": [dict(h) for h in self.history],
-        }
+        """x, the server state (:class:`ServerState`), the run's state key and the metrics so far."""
+        return (
+            super().state_dict()
+            | self.state.to_dict()
+            | {
+                "state_key": self.state_key,
+                "history": [dict(h) for h in self.history],
+            }
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Go on from :meth:`state_dict`: every node says hello again and is sent what it lacks."""
         super().load_state_dict(state)
         self._mask = layer_mask(self._layout, self.momentum_sync_layers)
-        self.version = int(state["version"])
-        self._history = deque(_Broadcast(**b) for b in state["broadcasts"])
-        self._version_of = {int(p): int(v) for p, v in state["version_of"].items()}
-        self._server_error = state["server_error"]
-        self._synced_momentum = state["synced_momentum"]
-        self._seed_failed = set(state["seed_failed"])
-        self._x0_checksum = int(state["x0_checksum"])
+        self.state = ServerState.from_dict(state)
         self.state_key = str(state["state_key"])
         self.history = [dict(h) for h in state["history"]]
         self._round = None
 
     def _remember(self, broadcast: _Broadcast) -> None:
         """Keep encoded Δs for lagging clients, up to ``max_history_bytes``."""
-        self._history.append(broadcast)
+        self.state.broadcasts.append(broadcast)
         limit = 4 * self.num_parameters if self.max_history_bytes is None else self.max_history_bytes
-        while self._history and sum(len(b.payload) for b in self._history) > limit:
-            self._history.popleft()
+        while self.state.broadcasts and sum(len(b.payload) for b in self.state.broadcasts) > limit:
+            self.state.broadcasts.popleft()
