@@ -23,7 +23,7 @@ One ``train`` message, in order (:meth:`DLionClient.train`):
 3. encode U for the wire (the strategy's ``upload``): ``sign`` — 1 bit per parameter (exact
    zeros become a seeded coin flip; with K = 1, steps 2 and 3 are one fused pass,
    ``codec.pack_local_step_``); ``sum`` — the integer U; ``ef-sign`` — a scaled sign of U + e
-   with error feedback;
+   with error feedback (each kind in :mod:`flower_dlion.uploads`, which the strategy uses too);
 4. reply with it, the loss, the number of examples, the replica's version and checksum (and
    the momentum or the buffers in the rounds that sync them);
 5. store the state for the next round (:class:`state.StateStore`).
@@ -48,13 +48,12 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 from flwr.clientapp import ClientApp
 from torch import nn
 
-from .. import codec, lion, quantizers
+from .. import codec, lion
 from ..params import Binding, LossFn, cross_entropy_loss, layer_mask, state_checksum
 from ..protocol import (
     CONFIG,
     HELLO,
     HELLO_ACTION,
-    LEVELS_STYPE,
     METRICS,
     MOMENTUM,
     SIGN_STYPE,
@@ -63,6 +62,7 @@ from ..protocol import (
     sync_prefixes,
     to_array,
 )
+from ..uploads import UPLOADS
 from .replica import apply_message
 from .state import CONTEXT_LIMIT, ClientStateError, ReplicaState, StateStore, default_state_dir, node_label
 
@@ -394,6 +394,8 @@ def _upload(
     d = state.x.numel()
     steps, upload = int(round_config.get("local-steps", 1)), str(round_config.get("upload", "sign"))
     beta1, beta2 = float(round_config["beta1"]), float(round_config["beta2"])
+    if upload not in UPLOADS:  # before the local steps: the state stays as it was
+        raise ClientStateError(f"unknown upload {upload!r}")
     if steps == 1 and upload == "sign" and tamper is None:  # one fused pass over m and g
         packed = codec.pack_local_step_(state.m, work.gradient(state.x, 0), beta1, beta2, gen, flips=flips)
         return {"signs": bits_array(packed, d, SIGN_STYPE)}
@@ -410,20 +412,10 @@ def _upload(
     )
     if tamper is not None:
         u = tamper.upload(u, gen)
-    if upload == "sign":
-        return {"signs": bits_array(codec.pack_signs(u, generator=gen, flips=flips), d, SIGN_STYPE)}  # 1 bit
-    if upload == "sum":
-        levels = (u + steps).to(torch.int32)  # U ∈ [−K, K] → 0 … 2K
-        return {"levels": bits_array(codec.encode_levels(levels, 2 * steps + 1), d, LEVELS_STYPE, dtype="level")}
-    if upload == "ef-sign":
-        if state.error is None:
-            state.error = torch.zeros_like(u)
-        levels, scales = quantizers.ef_quantize_(u, state.error, sizes, 2)  # scaled sign of U + e; e ← rest
-        return {
-            "signs": bits_array(codec.pack_bits(levels > 0), d, SIGN_STYPE),
-            "scales": Array(scales.cpu().numpy().astype(np.float32)),
-        }
-    raise ClientStateError(f"unknown upload {upload!r}")
+    arrays, state.error = UPLOADS[upload].encode(
+        u, error=state.error, sizes=sizes, steps=steps, generator=gen, flips=flips
+    )
+    return arrays
 
 
 def _adopt_momentum(state: ReplicaState, record: ArrayRecord, mask: torch.Tensor | None, node_id: int) -> None:

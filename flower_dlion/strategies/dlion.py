@@ -16,7 +16,7 @@ from flwr.serverapp import Grid
 from flwr.supercore import log
 
 from .. import codec, lion, quantizers
-from ..bounds import clip_scales, median_momentum, robust_buffers
+from ..bounds import median_momentum, robust_buffers
 from ..params import LayoutError, ModelSpec, layer_mask, layout_fingerprint, state_checksum
 from ..protocol import (
     BROADCAST,
@@ -29,7 +29,6 @@ from ..protocol import (
     REPLY_METRICS,
     REST,
     SEED_MISMATCH,
-    SIGN_STYPE,
     UPLOAD,
     USER_CONFIG,
     RejectedReply,
@@ -40,6 +39,7 @@ from ..protocol import (
     read_metrics,
     to_array,
 )
+from ..uploads import Parsed, upload_kind
 from .common import CheckedReplies, ServerModelStrategy, check_common_args
 
 __all__ = ["DistributedLion", "RejectedReply"]
@@ -105,9 +105,7 @@ class _Reply:
     """One validated client reply."""
 
     node_id: int
-    data: bytes  # packed signs or encoded levels
-    levels: torch.Tensor | None  # sum upload: the decoded levels Uᵢ + K (decoded once, when validated)
-    scales: torch.Tensor | None  # ef-sign upload: one float32 per tensor
+    upload: Parsed  # its U: the packed signs or encoded levels as received (decoded levels, scales)
     momentum: torch.Tensor | None  # momentum-sync round: the client's momentum of the synced layers
     buffers: torch.Tensor | None  # buffer round: the client's buffers, flat float32
     values: dict[str, float]
@@ -273,8 +271,7 @@ class DistributedLion(ServerModelStrategy):
     ) -> None:
         if aggregation not in ("vote", "mean"):
             raise ValueError(f"aggregation must be 'vote' or 'mean', got {aggregation!r}")
-        if upload not in ("sign", "sum", "ef-sign"):
-            raise ValueError(f"upload must be 'sign', 'sum' or 'ef-sign', got {upload!r}")
+        kind = upload_kind(upload)  # ValueError naming the choices
         for name, value in (("local_steps", local_steps), ("accumulate", accumulate)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
@@ -315,6 +312,7 @@ class DistributedLion(ServerModelStrategy):
         self.local_steps = local_steps
         self.accumulate = accumulate
         self.upload = upload
+        self._kind = kind
         self.broadcast_bits = broadcast_bits
         self.momentum_sync_every = momentum_sync_every
         self.momentum_sync_layers = tuple(momentum_sync_layers)
@@ -565,14 +563,7 @@ class DistributedLion(ServerModelStrategy):
 
     def _expected_arrays(self, rnd: _Round) -> dict[str, tuple[str, str, int]]:
         """Array name → (stype or "", dtype, bytes) that a valid reply holds this round."""
-        d = self.num_parameters
-        if self.upload == "sum":
-            num_levels = 2 * self.local_steps + 1
-            out = {"levels": (LEVELS_STYPE, "level", codec.encoded_size(d, num_levels))}
-        else:
-            out = {"signs": (SIGN_STYPE, "bit", codec.packed_size(d))}
-        if self.upload == "ef-sign":
-            out["scales"] = ("numpy.ndarray", "float32", 4 * len(self._layout))
+        out = self._kind.expected(self.num_parameters, len(self._layout), self.local_steps)
         if rnd.momentum_sync:
             assert self._mask is not None
             out["momentum"] = ("numpy.ndarray", "float32", 4 * int(self._mask.sum()))
@@ -613,13 +604,7 @@ class DistributedLion(ServerModelStrategy):
                 raise RejectedReply(f"Array {name!r} shape {tuple(arr.shape)}, expected {(d,)}")
             if len(arr.data) != nbytes:
                 raise RejectedReply(f"Array {name!r} has {len(arr.data)} bytes, expected {nbytes} for d={d}")
-        main = record["levels" if self.upload == "sum" else "signs"]
-        levels = None
-        if self.upload == "sum":
-            try:  # a level above 2K means a corrupted payload
-                levels = codec.decode_levels(main.data, 2 * self.local_steps + 1, d)
-            except ValueError as err:
-                raise RejectedReply(f"Array 'levels': {err}") from err
+        upload = self._kind.parse(record[self._kind.main].data, floats, d, self.local_steps)
         values = read_metrics(content, METRICS, REPLY_METRICS, optional=OPTIONAL_REPLY_METRICS)
         flips = values.get("coin-flips", 0)
         if not (isinstance(flips, int) and 0 <= flips <= d):
@@ -636,7 +621,7 @@ class DistributedLion(ServerModelStrategy):
                 resync=True,
             )
         momentum, buffers = floats.get("momentum"), floats.get("buffers")
-        return _Reply(node_id, main.data, levels, floats.get("scales"), momentum, buffers, values)
+        return _Reply(node_id, upload, momentum, buffers, values)
 
     def _aggregate(self, replies: list[_Reply]) -> tuple[codec.PackedAggregate, tuple[float, ...] | None]:
         """Δ of n valid replies: its levels, broadcast bytes and per-tensor scales, with S's ties and Σ|S|.
@@ -647,7 +632,7 @@ class DistributedLion(ServerModelStrategy):
         """
         k = self.local_steps
         if self.upload == "sign" and self.broadcast_bits == 0:  # the levels of sign(S) or S/n; Δ is K times them
-            update = codec.aggregate_packed([r.data for r in replies], self.num_parameters, self.aggregation)
+            update = codec.aggregate_packed([r.upload.data for r in replies], self.num_parameters, self.aggregation)
             return update, ((float(k),) * len(self._layout) if k > 1 else None)
         votes = self._vote_sum(replies)
         levels, scales = self._update(votes, len(replies))
@@ -659,26 +644,13 @@ class DistributedLion(ServerModelStrategy):
         return codec.PackedAggregate(levels.levels, levels.num_levels, encoded, ties, sum_abs), scales
 
     def _vote_sum(self, replies: list[_Reply]) -> torch.Tensor:
-        """S = Σᵢ Uᵢ (int32 for sign and sum uploads, float32 for scaled signs).
+        """S = Σᵢ Uᵢ (int32 for sign and sum uploads, float32 for scaled signs; see :mod:`flower_dlion.uploads`).
 
         Scaled signs count with their scales cut to the round's lower median per tensor
         (``bounds.clip_scales``): no client weighs more than the median client.
         """
-        d, n = self.num_parameters, len(replies)
-        if self.upload == "sign":
-            return codec.count_ones([r.data for r in replies], d).mul_(2).sub_(n)  # Σ of ±1: 2·(votes for +1) − n
-        if self.upload == "sum":
-            k = self.local_steps
-            total = torch.zeros(d, dtype=torch.int32)
-            for r in replies:
-                assert r.levels is not None
-                total += r.levels - k  # Uᵢ ∈ [−K, K]
-            return total
-        total = torch.zeros(d, dtype=torch.float32)
-        scales, self._clipped = clip_scales(torch.stack([r.scales for r in replies if r.scales is not None]))
-        for r, s in zip(replies, scales, strict=True):
-            bits = codec.unpack_bits(r.data, d).to(torch.int32)
-            total += quantizers.dequantize(bits, 2, s, self.sizes)  # ±sⱼ, sⱼ at most the median's
+        uploads = [r.upload for r in replies]
+        total, self._clipped = self._kind.total(uploads, self.num_parameters, self.local_steps, self.sizes)
         return total
 
     def _update(self, votes: torch.Tensor, n: int) -> tuple[lion.Levels, tuple[float, ...] | None]:
@@ -772,8 +744,7 @@ class DistributedLion(ServerModelStrategy):
         quantizers.apply_delta_(self.x, update.levels, update.num_levels, s, self.sizes, self.lr, weight_decay)
         self.state.version += 1
         self._remember(_Broadcast(self.state.version, update.num_levels, self.lr, weight_decay, update.encoded, scales))
-        scale = self.local_steps if self.upload == "sum" else 1
-        agreement = math.nan if self.upload == "ef-sign" else update.sum_abs / (d * n * scale)
+        agreement = update.sum_abs / (d * n * self._kind.agreement_scale(self.local_steps))
         if rnd.momentum_sync:
             self.state.synced_momentum = median_momentum([r.momentum for r in valid if r.momentum is not None])
         if rnd.buffer_sync:
@@ -823,7 +794,9 @@ class DistributedLion(ServerModelStrategy):
             "num-examples": int(total),
             "bytes-up": int(bytes_up),
             "bytes-down": int(rnd.bytes_down),
-            "bytes-up-fp32": int(bytes_up + sum(4 * d - len(r.data) for r in valid)),  # a valid reply's δ as fp32
+            "bytes-up-fp32": int(
+                bytes_up + sum(4 * d - len(r.upload.data) for r in valid)
+            ),  # a valid reply's δ as fp32
             "bytes-down-fp32": int(rnd.bytes_down_fp32),
             "tie-fraction": tie_fraction,
             "agreement": agreement,
