@@ -10,7 +10,15 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["DEFAULTS", "DLION_ONLY", "DLION_STRATEGIES", "FEDAVG_FAMILY", "STRATEGIES", "read_config"]
+__all__ = [
+    "BYZANTINE_MODES",
+    "DEFAULTS",
+    "DLION_ONLY",
+    "DLION_STRATEGIES",
+    "FEDAVG_FAMILY",
+    "STRATEGIES",
+    "read_config",
+]
 
 DEFAULTS: dict[str, Any] = {
     "num-server-rounds": 200,
@@ -60,13 +68,15 @@ DEFAULTS: dict[str, Any] = {
 FEDAVG_FAMILY = ("fedavg", "fedmedian", "fedtrimmedavg", "krum", "multikrum", "bulyan")
 STRATEGIES = ("dlion-vote", "dlion-mean", "signsgd-vote", "global-lion", "global-adamw", "terngrad", *FEDAVG_FAMILY)
 
+BYZANTINE_MODES = ("flip", "random", "scale", "momentum", "little")  # clients/attacks.py
+
 _CHOICES = {
     "strategy": STRATEGIES,
     "partitioner": ("iid", "dirichlet", "pathological", "shard"),
     "device": ("auto", "cpu", "cuda"),
     "upload": ("sign", "sum", "ef-sign"),
     "init": ("full", "seed"),
-    "byzantine-mode": ("flip", "random", "scale", "momentum", "little"),
+    "byzantine-mode": BYZANTINE_MODES,
     "momentum-dtype": ("float32", "bfloat16"),
 }
 

@@ -27,9 +27,18 @@ from . import codec, quantizers
 from .bounds import clip_scales
 from .protocol import LEVELS_STYPE, SIGN_STYPE, RejectedReply, bits_array
 
-__all__ = ["UPLOADS", "EfSignUpload", "SignUpload", "SumUpload", "Upload", "upload_kind"]
+__all__ = ["UPLOADS", "EfSignUpload", "Parsed", "Shape", "SignUpload", "SumUpload", "Upload", "upload_kind"]
 
 Expected = dict[str, tuple[str, str, int]]  # array name → (stype, dtype, bytes)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What both sides know of an upload before it is sent: the model's size and the round's K."""
+
+    d: int  # trainable values
+    sizes: list[int]  # values per tensor (ef-sign: one scale each)
+    steps: int  # K local steps: U ∈ [−K, K]
 
 
 @dataclass
@@ -47,28 +56,21 @@ class Upload:
     name: ClassVar[str]
     main: ClassVar[str] = "signs"  # the array holding the per-parameter payload
 
-    def expected(self, d: int, num_tensors: int, steps: int) -> Expected:
+    def expected(self, shape: Shape) -> Expected:
         """The arrays a valid reply holds for this kind (besides momenta and buffers)."""
-        return {"signs": (SIGN_STYPE, "bit", codec.packed_size(d))}
+        return {"signs": (SIGN_STYPE, "bit", codec.packed_size(shape.d))}
 
     def encode(
-        self,
-        u: torch.Tensor,
-        *,
-        error: torch.Tensor | None,
-        sizes: list[int],
-        steps: int,
-        generator: torch.Generator,
-        flips: list[int],
+        self, u: torch.Tensor, error: torch.Tensor | None, shape: Shape, generator: torch.Generator, flips: list[int]
     ) -> tuple[dict[str, Array], torch.Tensor | None]:
         """The reply's arrays for U, and the client's error state after it (``None``: none kept)."""
         raise NotImplementedError
 
-    def parse(self, data: bytes, floats: dict[str, torch.Tensor], d: int, steps: int) -> Parsed:
+    def parse(self, data: bytes, floats: dict[str, torch.Tensor], shape: Shape) -> Parsed:
         """The validated upload of one reply (arrays already checked against :meth:`expected`)."""
         return Parsed(data)
 
-    def total(self, replies: list[Parsed], d: int, steps: int, sizes: list[int]) -> tuple[torch.Tensor, int]:
+    def total(self, replies: list[Parsed], shape: Shape) -> tuple[torch.Tensor, int]:
         """S = Σᵢ Uᵢ of the valid replies, and the number of scales cut to the median."""
         raise NotImplementedError
 
@@ -83,23 +85,16 @@ class SignUpload(Upload):
     name = "sign"
 
     def encode(
-        self,
-        u: torch.Tensor,
-        *,
-        error: torch.Tensor | None,
-        sizes: list[int],
-        steps: int,
-        generator: torch.Generator,
-        flips: list[int],
+        self, u: torch.Tensor, error: torch.Tensor | None, shape: Shape, generator: torch.Generator, flips: list[int]
     ) -> tuple[dict[str, Array], torch.Tensor | None]:
         """sign(U) packed, 8 per byte."""
         packed = codec.pack_signs(u, generator=generator, flips=flips)
         return {"signs": bits_array(packed, u.numel(), SIGN_STYPE)}, error
 
-    def total(self, replies: list[Parsed], d: int, steps: int, sizes: list[int]) -> tuple[torch.Tensor, int]:
+    def total(self, replies: list[Parsed], shape: Shape) -> tuple[torch.Tensor, int]:
         """2 · (votes for +1) − n, counted on the packed bits."""
         n = len(replies)
-        return codec.count_ones([r.data for r in replies], d).mul_(2).sub_(n), 0  # Σ of ±1: 2·(votes for +1) − n
+        return codec.count_ones([r.data for r in replies], shape.d).mul_(2).sub_(n), 0  # Σ of ±1: 2·(votes for +1) − n
 
 
 class SumUpload(Upload):
@@ -108,38 +103,31 @@ class SumUpload(Upload):
     name = "sum"
     main = "levels"
 
-    def expected(self, d: int, num_tensors: int, steps: int) -> Expected:
+    def expected(self, shape: Shape) -> Expected:
         """Array 'levels'."""
-        return {"levels": (LEVELS_STYPE, "level", codec.encoded_size(d, 2 * steps + 1))}
+        return {"levels": (LEVELS_STYPE, "level", codec.encoded_size(shape.d, 2 * shape.steps + 1))}
 
     def encode(
-        self,
-        u: torch.Tensor,
-        *,
-        error: torch.Tensor | None,
-        sizes: list[int],
-        steps: int,
-        generator: torch.Generator,
-        flips: list[int],
+        self, u: torch.Tensor, error: torch.Tensor | None, shape: Shape, generator: torch.Generator, flips: list[int]
     ) -> tuple[dict[str, Array], torch.Tensor | None]:
         """U + K as 2K + 1 levels."""
-        levels = (u + steps).to(torch.int32)  # U ∈ [−K, K] → 0 … 2K
-        encoded = codec.encode_levels(levels, 2 * steps + 1)
+        levels = (u + shape.steps).to(torch.int32)  # U ∈ [−K, K] → 0 … 2K
+        encoded = codec.encode_levels(levels, 2 * shape.steps + 1)
         return {"levels": bits_array(encoded, u.numel(), LEVELS_STYPE, dtype="level")}, error
 
-    def parse(self, data: bytes, floats: dict[str, torch.Tensor], d: int, steps: int) -> Parsed:
+    def parse(self, data: bytes, floats: dict[str, torch.Tensor], shape: Shape) -> Parsed:
         """The levels decoded once (a level above 2K: a corrupted payload, refused)."""
         try:  # a level above 2K means a corrupted payload
-            return Parsed(data, levels=codec.decode_levels(data, 2 * steps + 1, d))
+            return Parsed(data, levels=codec.decode_levels(data, 2 * shape.steps + 1, shape.d))
         except ValueError as err:
             raise RejectedReply(f"Array 'levels': {err}") from err
 
-    def total(self, replies: list[Parsed], d: int, steps: int, sizes: list[int]) -> tuple[torch.Tensor, int]:
+    def total(self, replies: list[Parsed], shape: Shape) -> tuple[torch.Tensor, int]:
         """Σᵢ (levels − K)."""
-        total = torch.zeros(d, dtype=torch.int32)
+        total = torch.zeros(shape.d, dtype=torch.int32)
         for r in replies:
             assert r.levels is not None
-            total += r.levels - steps  # Uᵢ ∈ [−K, K]
+            total += r.levels - shape.steps  # Uᵢ ∈ [−K, K]
         return total, 0
 
     def agreement_scale(self, steps: int) -> float:
@@ -152,41 +140,34 @@ class EfSignUpload(Upload):
 
     name = "ef-sign"
 
-    def expected(self, d: int, num_tensors: int, steps: int) -> Expected:
+    def expected(self, shape: Shape) -> Expected:
         """Array 'signs' and Array 'scales'."""
-        return super().expected(d, num_tensors, steps) | {"scales": ("numpy.ndarray", "float32", 4 * num_tensors)}
+        return super().expected(shape) | {"scales": ("numpy.ndarray", "float32", 4 * len(shape.sizes))}
 
     def encode(
-        self,
-        u: torch.Tensor,
-        *,
-        error: torch.Tensor | None,
-        sizes: list[int],
-        steps: int,
-        generator: torch.Generator,
-        flips: list[int],
+        self, u: torch.Tensor, error: torch.Tensor | None, shape: Shape, generator: torch.Generator, flips: list[int]
     ) -> tuple[dict[str, Array], torch.Tensor | None]:
         """sign(U + e) packed, the per-tensor scales, and e ← U + e − what was sent."""
         if error is None:
             error = torch.zeros_like(u)
-        levels, scales = quantizers.ef_quantize_(u, error, sizes, 2)  # scaled sign of U + e; e ← rest
+        levels, scales = quantizers.ef_quantize_(u, error, shape.sizes, 2)  # scaled sign of U + e; e ← rest
         arrays = {
             "signs": bits_array(codec.pack_bits(levels > 0), u.numel(), SIGN_STYPE),
             "scales": Array(scales.cpu().numpy().astype(np.float32)),
         }
         return arrays, error
 
-    def parse(self, data: bytes, floats: dict[str, torch.Tensor], d: int, steps: int) -> Parsed:
+    def parse(self, data: bytes, floats: dict[str, torch.Tensor], shape: Shape) -> Parsed:
         """The signs and the scales."""
         return Parsed(data, scales=floats["scales"])
 
-    def total(self, replies: list[Parsed], d: int, steps: int, sizes: list[int]) -> tuple[torch.Tensor, int]:
+    def total(self, replies: list[Parsed], shape: Shape) -> tuple[torch.Tensor, int]:
         """Σᵢ ±sᵢⱼ with the scales cut to the round's lower median per tensor (``bounds.clip_scales``)."""
-        total = torch.zeros(d, dtype=torch.float32)
+        total = torch.zeros(shape.d, dtype=torch.float32)
         scales, clipped = clip_scales(torch.stack([r.scales for r in replies if r.scales is not None]))
         for r, s in zip(replies, scales, strict=True):
-            bits = codec.unpack_bits(r.data, d).to(torch.int32)
-            total += quantizers.dequantize(bits, 2, s, sizes)  # ±sⱼ, sⱼ at most the median's
+            bits = codec.unpack_bits(r.data, shape.d).to(torch.int32)
+            total += quantizers.dequantize(bits, 2, s, shape.sizes)  # ±sⱼ, sⱼ at most the median's
         return total, clipped
 
     def agreement_scale(self, steps: int) -> float:

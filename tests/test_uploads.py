@@ -4,21 +4,21 @@ import pytest
 import torch
 
 from flower_dlion.protocol import RejectedReply
-from flower_dlion.uploads import UPLOADS, upload_kind
+from flower_dlion.uploads import UPLOADS, Shape, upload_kind
 
 
 def _round_trip(name: str, us: list[list[float]], sizes: list[int], steps: int = 1) -> tuple[torch.Tensor, int, list]:
     """Encode each client's U, parse it as the server does, and sum."""
-    kind, d = UPLOADS[name], sum(sizes)
+    kind, shape = UPLOADS[name], Shape(sum(sizes), sizes, steps)
     parsed, errors = [], []
     for u in us:
         gen = torch.Generator().manual_seed(0)
-        arrays, error = kind.encode(torch.tensor(u), error=None, sizes=sizes, steps=steps, generator=gen, flips=[])
-        assert set(arrays) == set(kind.expected(d, len(sizes), steps))
+        arrays, error = kind.encode(torch.tensor(u), None, shape, gen, [])
+        assert set(arrays) == set(kind.expected(shape))
         floats = {n: torch.from_numpy(a.numpy().copy()) for n, a in arrays.items() if a.dtype == "float32"}
-        parsed.append(kind.parse(arrays[kind.main].data, floats, d, steps))
+        parsed.append(kind.parse(arrays[kind.main].data, floats, shape))
         errors.append(error)
-    total, clipped = kind.total(parsed, d, steps, sizes)
+    total, clipped = kind.total(parsed, shape)
     return total, clipped, errors
 
 
@@ -35,7 +35,7 @@ def test_sum_upload_sends_u_itself_and_refuses_a_level_above_2k() -> None:
     # Assert: S = Σ U exactly
     assert total.tolist() == [3, -3, 2]
     with pytest.raises(RejectedReply, match="Array 'levels'"):  # levels of 5 values: a trit5 byte above 242
-        UPLOADS["sum"].parse(bytes([243]), {}, 3, 1)
+        UPLOADS["sum"].parse(bytes([243]), {}, Shape(3, [3], 1))
 
 
 def test_ef_sign_scales_are_the_tensor_means_and_a_larger_one_is_cut_to_the_lower_median() -> None:

@@ -23,10 +23,11 @@ import numpy as np
 import torch
 from flwr.app import Array
 
+from ..config import BYZANTINE_MODES
 from ..protocol import to_array
 from .dlion import Tamper
 
-__all__ = ["MODES", "Flip", "LittleIsEnough", "MomentumPoison", "RandomSigns", "ScaleLie", "attacker"]
+__all__ = ["Flip", "LittleIsEnough", "MomentumPoison", "RandomSigns", "ScaleLie", "attacker"]
 
 
 class Flip(Tamper):
@@ -48,10 +49,6 @@ class RandomSigns(Tamper):
         return self.steps * (2.0 * torch.randint(0, 2, u.shape, generator=generator, device=u.device) - 1.0)
 
 
-def _float_array(arrays: dict[str, Array], name: str) -> np.ndarray:
-    return arrays[name].numpy()
-
-
 class ScaleLie(Flip):
     """Upload −U and claim scales S times the true ones."""
 
@@ -61,7 +58,7 @@ class ScaleLie(Flip):
     def arrays(self, arrays: dict[str, Array]) -> dict[str, Array]:
         """Scales × S (float32: 10³⁰ fits, 10⁴⁰ would be inf and refused as malformed)."""
         if "scales" in arrays:
-            arrays["scales"] = to_array((_float_array(arrays, "scales") * np.float32(self.factor)).astype(np.float32))
+            arrays["scales"] = to_array((arrays["scales"].numpy() * np.float32(self.factor)).astype(np.float32))
         return arrays
 
 
@@ -74,7 +71,7 @@ class MomentumPoison(Flip):
     def arrays(self, arrays: dict[str, Array]) -> dict[str, Array]:
         """Momentum ← −S·sign(m)."""
         if "momentum" in arrays:
-            m = _float_array(arrays, "momentum")
+            m = arrays["momentum"].numpy()
             arrays["momentum"] = to_array((-np.float32(self.factor) * np.sign(m)).astype(np.float32))
         return arrays
 
@@ -91,9 +88,6 @@ class LittleIsEnough(Tamper):
         return out
 
 
-MODES = ("flip", "random", "scale", "momentum", "little")
-
-
 def attacker(mode: str, *, steps: int, factor: float) -> Tamper:
     """The Tamper of a ``byzantine-mode``."""
     if mode == "flip":
@@ -106,4 +100,4 @@ def attacker(mode: str, *, steps: int, factor: float) -> Tamper:
         return MomentumPoison(factor)
     if mode == "little":
         return LittleIsEnough()
-    raise ValueError(f"byzantine-mode must be one of {MODES}, got {mode!r}")
+    raise ValueError(f"byzantine-mode must be one of {BYZANTINE_MODES}, got {mode!r}")

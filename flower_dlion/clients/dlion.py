@@ -62,7 +62,7 @@ from ..protocol import (
     sync_prefixes,
     to_array,
 )
-from ..uploads import UPLOADS
+from ..uploads import UPLOADS, Shape
 from .replica import apply_message
 from .state import CONTEXT_LIMIT, ClientStateError, ReplicaState, StateStore, default_state_dir, node_label
 
@@ -412,9 +412,7 @@ def _upload(
     )
     if tamper is not None:
         u = tamper.upload(u, gen)
-    arrays, state.error = UPLOADS[upload].encode(
-        u, error=state.error, sizes=sizes, steps=steps, generator=gen, flips=flips
-    )
+    arrays, state.error = UPLOADS[upload].encode(u, state.error, Shape(d, sizes, steps), gen, flips)
     return arrays
 
 

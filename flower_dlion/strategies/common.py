@@ -229,9 +229,8 @@ class ServerModelStrategy(Strategy):
         """Validate each reply with ``check``; log and count the ones it refuses, and second replies.
 
         ``check(msg)`` returns the parsed reply or raises :class:`RejectedReply`. For a refused
-        reply, ``on_rejected(msg, node_id, partition, error, stray)`` is called before the node is
-        marked as answered; ``stray`` is true when no train message was sent to that node this
-        round or it already answered (a stray reply says nothing about the node's replica).
+        reply, ``on_rejected(msg, node_id, partition, error, again)`` is called before the node is
+        marked as answered; ``again`` is true for the node's second reply of the round.
         """
         out: CheckedReplies[R] = CheckedReplies()
         for msg in replies:

@@ -39,7 +39,7 @@ from ..protocol import (
     read_metrics,
     to_array,
 )
-from ..uploads import Parsed, upload_kind
+from ..uploads import Parsed, Shape, upload_kind
 from .common import CheckedReplies, ServerModelStrategy, check_common_args
 
 __all__ = ["DistributedLion", "RejectedReply"]
@@ -334,6 +334,11 @@ class DistributedLion(ServerModelStrategy):
         self.history: list[dict[str, Any]] = []  # one dict of metrics per aggregated round
 
     @property
+    def _shape(self) -> Shape:
+        """The model's size and K, as the upload kinds take them."""
+        return Shape(self.num_parameters, self.sizes, self.local_steps)
+
+    @property
     def version(self) -> int:
         """The number of Δs applied to x since the start."""
         return self.state.version
@@ -563,7 +568,7 @@ class DistributedLion(ServerModelStrategy):
 
     def _expected_arrays(self, rnd: _Round) -> dict[str, tuple[str, str, int]]:
         """Array name → (stype or "", dtype, bytes) that a valid reply holds this round."""
-        out = self._kind.expected(self.num_parameters, len(self._layout), self.local_steps)
+        out = self._kind.expected(self._shape)
         if rnd.momentum_sync:
             assert self._mask is not None
             out["momentum"] = ("numpy.ndarray", "float32", 4 * int(self._mask.sum()))
@@ -604,7 +609,7 @@ class DistributedLion(ServerModelStrategy):
                 raise RejectedReply(f"Array {name!r} shape {tuple(arr.shape)}, expected {(d,)}")
             if len(arr.data) != nbytes:
                 raise RejectedReply(f"Array {name!r} has {len(arr.data)} bytes, expected {nbytes} for d={d}")
-        upload = self._kind.parse(record[self._kind.main].data, floats, d, self.local_steps)
+        upload = self._kind.parse(record[self._kind.main].data, floats, self._shape)
         values = read_metrics(content, METRICS, REPLY_METRICS, optional=OPTIONAL_REPLY_METRICS)
         flips = values.get("coin-flips", 0)
         if not (isinstance(flips, int) and 0 <= flips <= d):
@@ -650,7 +655,7 @@ class DistributedLion(ServerModelStrategy):
         (``bounds.clip_scales``): no client weighs more than the median client.
         """
         uploads = [r.upload for r in replies]
-        total, self._clipped = self._kind.total(uploads, self.num_parameters, self.local_steps, self.sizes)
+        total, self._clipped = self._kind.total(uploads, self._shape)
         return total
 
     def _update(self, votes: torch.Tensor, n: int) -> tuple[lion.Levels, tuple[float, ...] | None]:
@@ -779,6 +784,7 @@ class DistributedLion(ServerModelStrategy):
         examples = [r.values["num-examples"] for r in valid]
         total = sum(examples)
         clipped, self._clipped = self._clipped, 0
+        fp32_extra = sum(4 * d - len(r.upload.data) for r in valid)  # each valid reply's U as float32 instead
         return {
             "num-replies": n,
             "num-rejected": checked.rejected,
@@ -794,9 +800,7 @@ class DistributedLion(ServerModelStrategy):
             "num-examples": int(total),
             "bytes-up": int(bytes_up),
             "bytes-down": int(rnd.bytes_down),
-            "bytes-up-fp32": int(
-                bytes_up + sum(4 * d - len(r.upload.data) for r in valid)
-            ),  # a valid reply's δ as fp32
+            "bytes-up-fp32": int(bytes_up + fp32_extra),
             "bytes-down-fp32": int(rnd.bytes_down_fp32),
             "tie-fraction": tie_fraction,
             "agreement": agreement,
