@@ -16,7 +16,7 @@ import torch
 
 __all__ = ["FORMAT", "RESUMABLE_KEYS", "check_resumable", "load_checkpoint", "save_checkpoint"]
 
-FORMAT = 3  # 2: the model description and the rest of the model; 3: the server state of ServerState
+FORMAT = 4  # 2: model description and rest of the model; 3: ServerState; 4: the anchored downlink
 # Run-config keys that may differ between the run that wrote a checkpoint and the one resuming it.
 RESUMABLE_KEYS = (
     "num-server-rounds",

@@ -36,7 +36,9 @@ DEFAULTS: dict[str, Any] = {
     "broadcast-bits": 0,
     "momentum-sync-every": 0,
     "momentum-sync-layers": "",
-    "init": "full",
+    "init": "seed",
+    "downlink": "auto",
+    "anchor-every": 200,
     "batch-size": 64,
     "fraction-train": 1.0,
     "min-train-nodes": 2,
@@ -76,6 +78,7 @@ _CHOICES = {
     "device": ("auto", "cpu", "cuda"),
     "upload": ("sign", "sum", "ef-sign"),
     "init": ("full", "seed"),
+    "downlink": ("auto", "anchored", "chain"),
     "byzantine-mode": BYZANTINE_MODES,
     "momentum-dtype": ("float32", "bfloat16"),
 }
@@ -93,6 +96,8 @@ DLION_ONLY = (
     "momentum-sync-every",
     "momentum-sync-layers",
     "init",
+    "downlink",
+    "anchor-every",
 )
 
 
@@ -131,6 +136,7 @@ def read_config(run_config: Mapping[str, Any] | None) -> dict[str, Any]:
         "local-epochs",
         "local-steps",
         "accumulate",
+        "anchor-every",
     )
     for key in positive:
         if cfg[key] < 1:
@@ -191,6 +197,17 @@ def read_config(run_config: Mapping[str, Any] | None) -> dict[str, Any]:
     if not cfg["state-in-context"] and not cfg["client-state-dir"]:
         raise ValueError(
             "run-config 'state-in-context' = false keeps the clients' state in files only: set 'client-state-dir'"
+        )
+    if cfg["downlink"] == "anchored" and (cfg["strategy"] == "dlion-mean" or cfg["broadcast-bits"]):
+        raise ValueError(
+            "run-config downlink='anchored' needs integer Δs: a vote ('dlion-vote', 'signsgd-vote') with "
+            f"'broadcast-bits' = 0, got strategy={cfg['strategy']!r}, broadcast-bits={cfg['broadcast-bits']}; "
+            "use 'auto' or 'chain'"
+        )
+    if cfg["anchor-every"] * cfg["local-steps"] > 1 << 20:
+        raise ValueError(
+            f"run-config 'anchor-every' × 'local-steps' must be <= 2**20 (the counts' range), got "
+            f"{cfg['anchor-every']} × {cfg['local-steps']}"
         )
     if cfg["upload"] == "ef-sign" and cfg["strategy"] == "dlion-mean" and cfg["broadcast-bits"] == 0:
         raise ValueError(

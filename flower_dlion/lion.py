@@ -25,6 +25,7 @@ import torch
 __all__ = [
     "Levels",
     "aggregate",
+    "anchored",
     "apply_update_",
     "direction",
     "lion_step_",
@@ -62,6 +63,20 @@ def apply_update_(x: torch.Tensor, delta: torch.Tensor, lr: float, weight_decay:
     step = delta.to(x.dtype) * lr  # lr·Δ, rounded once
     x.mul_(1.0 - lr * weight_decay)  # decoupled weight decay
     return x.sub_(step)  # descend
+
+
+def anchored(anchor: torch.Tensor, counts: torch.Tensor, decay: float, step: float) -> torch.Tensor:
+    """The parameters x from an anchor and the integer counts since it: ``x = γ·xₐ − η·C`` (a new tensor).
+
+    The anchored form of ``x ← x − lr·(Δ + wd·x)`` (issue 38's downlink): with Δₜ = q·Lₜ
+    for integer Lₜ, C = Σₜ Lₜ over the j rounds since the anchor xₐ, ``γ = (1 − lr·wd)ʲ`` and
+    ``η = lr·q``. Unlike the per-round rule, the Δs of the current anchor epoch are not decayed
+    until the next anchor (``xₐ ← x``, C ← 0); a replica that missed rounds then needs only
+    C_now − C_have, whatever the order of the Δs. γ and η come from the server as numbers
+    (not recomputed), and the three operations (γ·xₐ, η·C, difference) are each rounded once,
+    so every device gets the same bits.
+    """
+    return anchor.mul(decay).sub_(counts.to(anchor.dtype).mul_(step))
 
 
 def lion_step_(

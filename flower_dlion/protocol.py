@@ -2,7 +2,7 @@
 
 Server → client (``train``)::
 
-    "dlion.config"   ConfigRecord  server-round, kind ("full" | "deltas" | "none"),
+    "dlion.config"   ConfigRecord  server-round, kind ("full" | "counts" | "deltas" | "none"),
                                    base-version, version, num-levels[], lr[], weight-decay[],
                                    [scales[] (per Δ, one float per tensor)], beta1, beta2,
                                    seed (the strategy's: coin flips, batch order), layout,
@@ -13,6 +13,15 @@ Server → client (``train``)::
                                    the encoded Δs back to back (stype "dlion.levels") for "deltas"
     "dlion.momentum" ArrayRecord   (after a momentum-sync round) Array "m": the combined (median)
                                    momentum of the synchronized layers, float32
+
+The anchored downlink (``downlink.py``; a vote with exact broadcast, the default) sends kind
+"counts": config ``base-version``, ``anchor-every`` and one entry per segment in
+``segment-end`` / ``-decay`` / ``-step`` / ``-refresh`` / ``-context`` / ``-bytes``, and in
+"dlion.update" Array "counts" (stype "dlion.coded"): the segments' entropy-coded count
+differences back to back (``entropy.py``: header, ANS words, CRC-32). Its "full" message holds
+the anchor x_a (Array "payload", float32) at ``anchor-version`` and the segments since it. A
+reply may carry ``context`` (a version): the client holds the two last Δs of that version, so the
+next Δ can be coded with them as context.
 
 A new node of a run with ``init = "seed"`` gets "init-seed" and "init-checksum" instead of
 the full model, builds x₀ itself (its ``model_fn()`` under ``torch.manual_seed(seed)``), and
@@ -87,6 +96,7 @@ from .params import state_checksum
 __all__ = [
     "BROADCAST",
     "CLIENT_STATE_ERROR",
+    "CODED_STYPE",
     "CONFIG",
     "GRAD_CONFIG",
     "GRAD_METRICS",
@@ -130,8 +140,11 @@ CLIENT_STATE_ERROR = "ClientStateError"  # in a client's error reason when its r
 SEED_MISMATCH = "x0 built from seed"  # in a client's error when its x₀ differs from the server's
 SIGN_STYPE = "dlion.sign1"
 LEVELS_STYPE = "dlion.levels"
+CODED_STYPE = "dlion.coded"  # entropy-coded count segments (flower_dlion.entropy), back to back
 REPLY_METRICS = ("num-examples", "train-loss", "version", "checksum")
-OPTIONAL_REPLY_METRICS = ("coin-flips",)  # signs sent as coin flips (exact zeros of the Lion mix)
+# coin-flips: signs sent as coin flips (exact zeros of the Lion mix); context: the version whose two last Δs
+# the client holds (the next Δ can be coded with them), a short key: it rides on every reply
+OPTIONAL_REPLY_METRICS = ("coin-flips", "context")
 
 GRAD_CONFIG = "grad.config"
 GRAD_MODEL = "grad.model"

@@ -69,6 +69,8 @@ def build_strategy(cfg: dict[str, Any], state_key: str = "") -> Strategy:
             momentum_sync_layers=sync_prefixes(cfg["momentum-sync-layers"]),
             init_seed=cfg["seed"] if cfg["init"] == "seed" else None,  # x₀ = Net() after torch.manual_seed(seed)
             state_key=state_key,
+            downlink=cfg["downlink"],
+            anchor_every=cfg["anchor-every"],
             **common,
         )
     if name in ("global-lion", "global-adamw", "terngrad"):

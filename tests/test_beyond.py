@@ -266,15 +266,20 @@ def test_momentum_sync_round_takes_the_median_of_the_momenta_and_sends_it_next_r
     assert all(MOMENTUM not in msg.content for msg in fourth)
 
 
-def test_init_seed_sends_the_seed_instead_of_the_model_and_falls_back_on_mismatch() -> None:
+@pytest.mark.parametrize(("downlink", "kind"), [("chain", "deltas"), ("anchored", "counts")])
+def test_init_seed_sends_the_seed_instead_of_the_model_and_falls_back_on_mismatch(downlink: str, kind: str) -> None:
     # Prepare: X0 plays x₀ "of seed 5"
-    full = DistributedLion(lr=0.1)
-    seeded = DistributedLion(lr=0.1, init_seed=5)
+    full = DistributedLion(lr=0.1, downlink=downlink)
+    seeded = DistributedLion(lr=0.1, init_seed=5, downlink=downlink)
     full_msgs = first_round(full, [1, 2])
     sent = first_round(seeded, [1, 2])
-    # Assert: no model on the wire, seed and checksum instead
+    # Assert: no model on the wire, seed and checksum instead (the anchored downlink: kind "counts", no segment)
     cfg = sent[1].content[CONFIG]
-    assert cfg["kind"] == "none" and cfg["init-seed"] == 5 and cfg["init-checksum"] == checksum(torch.tensor(X0))
+    assert (
+        cfg["kind"] == {"chain": "none", "anchored": "counts"}[downlink]
+        and cfg["init-seed"] == 5
+        and cfg["init-checksum"] == checksum(torch.tensor(X0))
+    )
     assert BROADCAST not in sent[1].content
     assert message_bytes(sent[1]) < message_bytes(full_msgs[1]) - 39  # 40 B of float32 model gone
     # Execute: node 2's x₀ does not match (its client raised); node 1 is fine
@@ -286,9 +291,9 @@ def test_init_seed_sends_the_seed_instead_of_the_model_and_falls_back_on_mismatc
         m.metadata.dst_node_id: m for m in seeded.configure_train(2, ArrayRecord(), ConfigRecord(), StubGrid([1, 2, 3]))
     }
     # Assert: node 2 now gets the full model; a new node 3 gets the seed and the Δ since x₀
-    assert nxt[1].content[CONFIG]["kind"] == "deltas" and "init-seed" not in nxt[1].content[CONFIG]
+    assert nxt[1].content[CONFIG]["kind"] == kind and "init-seed" not in nxt[1].content[CONFIG]
     assert nxt[2].content[CONFIG]["kind"] == "full"
-    assert nxt[3].content[CONFIG]["kind"] == "deltas" and nxt[3].content[CONFIG]["init-seed"] == 5
+    assert nxt[3].content[CONFIG]["kind"] == kind and nxt[3].content[CONFIG]["init-seed"] == 5
     assert nxt[3].content[CONFIG]["base-version"] == 0
 
 

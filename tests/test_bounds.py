@@ -128,6 +128,21 @@ def _levels(msg: Message) -> None:
     arr.data = b"\xff" * len(arr.data)  # 5 trits per byte hold 0…242: 255 is no level
 
 
+CHAIN = {"downlink": "chain"}  # the chain downlink's Δs (the default, anchored, sends counts)
+
+
+def _segment(key: str, value: float) -> Callable[[Message], None]:
+    def tamper(msg: Message) -> None:
+        msg.content[CONFIG][key] = [value]
+
+    return tamper
+
+
+def _counts_bit_flipped(msg: Message) -> None:
+    arr = msg.content[BROADCAST]["counts"]
+    arr.data = arr.data[:30] + bytes([arr.data[30] ^ 1]) + arr.data[31:]
+
+
 def _momentum(value: float) -> Callable[[Message], None]:
     def tamper(msg: Message) -> None:
         m = msg.content[MOMENTUM]["m"].numpy().copy()
@@ -140,13 +155,18 @@ def _momentum(value: float) -> Callable[[Message], None]:
 @pytest.mark.parametrize(
     ("tamper", "options", "reason"),
     [
-        (lambda m: _scales(m, math.nan), {}, "a Δ scale is nan, outside [0, 1e+06]: refused"),
-        (lambda m: _scales(m, -1.0), {}, "a Δ scale is -1.0, outside [0, 1e+06]: refused"),
-        (lambda m: _scales(m, 1e30), {}, "a Δ scale is 1e+30, outside [0, 1e+06]: refused"),
-        (_levels, {}, "Δ 1 of 1 does not decode"),
-        (lambda m: m.content[CONFIG].__setitem__("lr", [-0.01]), {}, "a Δ with lr -0.01 and weight decay"),
-        (lambda m: m.content[CONFIG].__setitem__("lr", [math.inf]), {}, "a Δ with lr inf and weight decay"),
-        (lambda m: m.content[CONFIG].__setitem__("num-levels", [1]), {}, "a Δ with 1 levels (2 to 65536"),
+        (lambda m: _scales(m, math.nan), CHAIN, "a Δ scale is nan, outside [0, 1e+06]: refused"),
+        (lambda m: _scales(m, -1.0), CHAIN, "a Δ scale is -1.0, outside [0, 1e+06]: refused"),
+        (lambda m: _scales(m, 1e30), CHAIN, "a Δ scale is 1e+30, outside [0, 1e+06]: refused"),
+        (_levels, CHAIN, "Δ 1 of 1 does not decode"),
+        (lambda m: m.content[CONFIG].__setitem__("lr", [-0.01]), CHAIN, "a Δ with lr -0.01 and weight decay"),
+        (lambda m: m.content[CONFIG].__setitem__("lr", [math.inf]), CHAIN, "a Δ with lr inf and weight decay"),
+        (lambda m: m.content[CONFIG].__setitem__("num-levels", [1]), CHAIN, "a Δ with 1 levels (2 to 65536"),
+        (_segment("segment-decay", math.nan), {}, "a segment with decay nan and step 0.01"),
+        (_segment("segment-decay", 1.5), {}, "a segment with decay 1.5 and step 0.01"),
+        (_segment("segment-step", -1.0), {}, "step -1.0 (0 < decay <= 1, step >= 0): refused"),
+        (_segment("segment-end", 5), {}, "the counts reach version 5, the server's is 2"),
+        (_counts_bit_flipped, {}, "node 1000, round 3: CRC-32 mismatch"),
         (_momentum(math.nan), {"momentum_sync_every": 2}, "the synced momentum has values outside ±1e+06"),
         (_momentum(1e30), {"momentum_sync_every": 2}, "the synced momentum has values outside ±1e+06"),
     ],

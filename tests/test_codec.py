@@ -1179,11 +1179,12 @@ def test_triton_pack_kernel_rejects_what_it_cannot_read() -> None:
                                  torch.ones(2), 1.0)  # fmt: skip
 
 
-def test_codec_lion_and_quantizers_import_no_flwr() -> None:
+def test_codec_lion_quantizers_and_downlink_import_no_flwr() -> None:
     import subprocess
     import sys
 
     modules = "flower_dlion.codec, flower_dlion.lion, flower_dlion.quantizers"
+    modules += ", flower_dlion.downlink, flower_dlion.entropy"
     modules += ", flower_dlion.kernels" * HAVE_NUMBA + ", flower_dlion.gpu_kernels" * HAVE_TRITON
     code = f"import sys, {modules}; print('flwr' in sys.modules)"
     assert (

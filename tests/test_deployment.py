@@ -47,8 +47,9 @@ def test_three_supernodes_with_tls_and_auth_finish_and_bytes_match_the_superlink
     summary = json.loads((results / "summary.json").read_text())
     assert summary["final_accuracy"] > 0.15  # chance is 0.1
     traffic = record["network-traffic"]
-    assert traffic["inbound-bytes"] == pytest.approx(summary["total_mb_up"] * 1e6, rel=0.05)
-    assert traffic["outbound-bytes"] == pytest.approx(summary["total_mb_down"] * 1e6, rel=0.05)
+    # within 5 %, besides the connections' own overhead (~2.5 kB per SuperNode each way measured here)
+    assert traffic["inbound-bytes"] == pytest.approx(summary["total_mb_up"] * 1e6, rel=0.05, abs=12_000)
+    assert traffic["outbound-bytes"] == pytest.approx(summary["total_mb_down"] * 1e6, rel=0.05, abs=12_000)
     # each SuperNode's ClientApp kept its state in its partition's file of the last round, and only there
     assert sorted(str(p.relative_to(state)).split(os.sep, 1)[1] for p in state.rglob("*.pt")) == [
         f"partition-{i}{os.sep}r2.pt" for i in range(3)
@@ -89,8 +90,9 @@ def test_killed_supernode_is_left_out_and_its_restart_resyncs(tmp_path: Path) ->
     # round 3: the SuperLink's NODE_UNAVAILABLE reply (≈ 60 s: 2 missed heartbeats) stands for node 1
     assert (rows[3]["num_sent"], rows[3]["num_errors"], rows[3]["num_rejected"], rows[3]["num_failed"]) == (3, 1, 1, 0)
     assert rows[4]["num_sent"] == 2  # round 4: node 1 is no longer listed
-    # the restarted node (same id under node auth) was greeted again: no state → the full model
-    assert sum(r["state_resets"] for r in rows[5:]) == 1 and sum(r["full_syncs"] for r in rows[5:]) == 1
+    # the restarted node (same id under node auth) was greeted again: no state → x₀ from the seed (init = "seed")
+    # and the counts since, not the float32 model
+    assert sum(r["state_resets"] for r in rows[5:]) == 1 and sum(r["full_syncs"] for r in rows[5:]) == 0
     assert rows[-1]["num_replies"] == 3 and rows[-1]["num_errors"] == 0  # it contributes again
 
 

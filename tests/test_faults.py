@@ -86,6 +86,7 @@ def test_checksum_mismatch_triggers_a_logged_full_resync(caplog: pytest.LogCaptu
     ctx = grid.context(1001)
     state = load_state(ctx, D, CPU)
     state.x[0] += 1e-3
+    state.anchor[0] += 1e-3  # the anchored downlink computes x from its anchor and counts
     save_state(ctx, state)
     grid.set_context(1001, ctx)
     caplog.set_level(logging.WARNING, logger="flwr")
@@ -391,7 +392,8 @@ def test_resume_without_state_files_resets_clients_and_finishes(tmp_path: Path, 
     run_federation(LocalGrid(client_app, 4, run_config=more, first_node_id=9000), more)
     rows = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == list(range(6))
-    assert rows[4]["state_resets"] >= 1 and rows[4]["full_syncs"] >= 1  # new contexts: full model, m = 0
+    # new contexts: x₀ from the seed (init = "seed") and the counts since, no float model; m = 0
+    assert rows[4]["state_resets"] >= 1 and rows[4]["full_syncs"] == 0 and rows[4]["bytes_down"] < 4 * D
     assert "has no state (a restarted SuperNode?)" in caplog.text
 
 
@@ -434,7 +436,7 @@ def test_strategy_state_dict_round_trips_through_a_checkpoint(tmp_path: Path) ->
     assert torch.equal(strategy.x, other.x) and torch.equal(strategy.state.server_error, other.state.server_error)
 
 
-@pytest.mark.parametrize(("version", "kind"), [(0, "deltas"), (-1, "full")])
+@pytest.mark.parametrize(("version", "kind"), [(0, "counts"), (-1, "full")])
 def test_a_node_under_a_new_id_keeps_its_partitions_version_only_if_it_holds_it(version: int, kind: str) -> None:
     # Prepare: partitions 4 and 9 train round 1
     strategy = DistributedLion(lr=0.01)
@@ -447,7 +449,7 @@ def test_a_node_under_a_new_id_keeps_its_partitions_version_only_if_it_holds_it(
     # Assert
     assert strategy.partition_of(19) == 9 and strategy.partition_of(9) == -1
     assert msgs[19].content["dlion.config"]["kind"] == kind
-    assert msgs[4].content["dlion.config"]["kind"] == "deltas"
+    assert msgs[4].content["dlion.config"]["kind"] == "counts"
 
 
 def test_gradient_baseline_resumes_exactly_without_client_state(tmp_path: Path) -> None:

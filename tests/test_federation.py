@@ -54,20 +54,30 @@ def gradient(x: torch.Tensor, pid: int, num_partitions: int, rnd: int) -> torch.
     return flat_gradient(Net(), x.float(), to_tensor(ds.x_train[rows]), torch.from_numpy(ds.y_train[rows]))[1]
 
 
-@pytest.mark.parametrize("how", ["vote", "mean"])
-def test_one_client_is_exactly_single_worker_lion(how: str) -> None:
+@pytest.mark.parametrize(("how", "downlink"), [("vote", "chain"), ("mean", "chain"), ("vote", "anchored")])
+def test_one_client_is_exactly_single_worker_lion(how: str, downlink: str) -> None:
     # Prepare
     grid = LocalGrid(client_app, 1, run_config=CPU_CONFIG)
-    strategy = DistributedLion(aggregation=how, lr=LR, weight_decay=WD, min_train_nodes=1, min_available_nodes=1)
+    strategy = DistributedLion(
+        aggregation=how, lr=LR, weight_decay=WD, min_train_nodes=1, min_available_nodes=1, downlink=downlink
+    )
     model, _ = initial_arrays()
-    x_ref = flat_parameters(model).double().numpy()
-    m_ref = np.zeros_like(x_ref)
+    x_ref = x0 = flat_parameters(model).double().numpy()
+    m_ref, counts = np.zeros_like(x_ref), np.zeros_like(x_ref)
     # Execute: five rounds of D-Lion
     run_rounds(strategy, grid, 5)
-    # Assert: single-worker Lion from the formula (SPEC §1), in float64
+    # Assert: single-worker Lion from the formula (SPEC §1), in float64; with the anchored downlink
+    # the decay of the Δs since the anchor comes at the next anchor: x = (1 − lr·wd)ᵗ·x₀ − lr·Σδ, each
+    # product rounded to float32 as the library does (a float64 x would move near-zero signs)
     for rnd in range(1, 6):
         g = gradient(torch.from_numpy(x_ref), 0, 1, rnd).double().numpy()
-        x_ref = x_ref - LR * (np.sign(B1 * m_ref + (1 - B1) * g) + WD * x_ref)
+        delta = np.sign(B1 * m_ref + (1 - B1) * g)
+        counts += delta
+        if downlink == "anchored":
+            f32 = np.float32
+            x_ref = (f32((1 - LR * WD) ** rnd) * x0.astype(f32) - f32(LR) * counts.astype(f32)).astype(np.float64)
+        else:
+            x_ref = x_ref - LR * (delta + WD * x_ref)
         m_ref = B2 * m_ref + (1 - B2) * g
     x = strategy.x.double().numpy()
     assert np.linalg.norm(x - x_ref) <= 1e-6 * np.linalg.norm(x_ref)

@@ -147,8 +147,8 @@ def test_aggregate_applies_vote_or_mean(how: str, clients: int, delta: list[floa
 
 
 def test_second_round_broadcasts_packed_delta_that_decodes_to_the_applied_update() -> None:
-    # Prepare
-    strategy = DistributedLion(aggregation="vote", lr=0.1, weight_decay=0.5)
+    # Prepare: the chain downlink (each missed Δ packed, applied with its decay)
+    strategy = DistributedLion(aggregation="vote", lr=0.1, weight_decay=0.5, downlink="chain")
     sent = first_round(strategy, [1, 2, 3, 4])
     strategy.aggregate_train(1, [signs_reply(sent[n], SIGNS[n - 1]) for n in (1, 2, 3, 4)])
     # Execute
@@ -165,6 +165,30 @@ def test_second_round_broadcasts_packed_delta_that_decodes_to_the_applied_update
 
         lion.apply_update_(x, codec.levels_to_values(levels, 3), cfg["lr"][0], cfg["weight-decay"][0])
         assert torch.equal(x, strategy.x)  # bit-identical replica
+
+
+def test_second_round_sends_coded_counts_that_give_the_applied_x() -> None:
+    # Prepare: the anchored downlink (the default for a vote)
+    from flower_dlion import downlink, entropy
+
+    strategy = DistributedLion(aggregation="vote", lr=0.1, weight_decay=0.5)
+    sent = first_round(strategy, [1, 2, 3, 4])
+    strategy.aggregate_train(1, [signs_reply(sent[n], SIGNS[n - 1]) for n in (1, 2, 3, 4)])
+    # Execute
+    msgs = strategy.configure_train(2, ArrayRecord(), ConfigRecord(), StubGrid([1, 2, 3, 4]))
+    # Assert: one segment from version 0 to 1 holding the vote (ties: 0), decay 1 − lr·wd, step lr
+    vote = np.sign(np.sum(SIGNS, axis=0))
+    for msg in msgs:
+        cfg, counts = msg.content[CONFIG], msg.content[BROADCAST]["counts"]
+        assert cfg["kind"] == "counts" and cfg["base-version"] == 0 and cfg["version"] == 1
+        assert cfg["segment-end"] == [1] and cfg["segment-decay"] == [1 - 0.1 * 0.5] and cfg["segment-step"] == [0.1]
+        assert counts.stype == "dlion.coded" and cfg["segment-bytes"] == [len(counts.data)]
+        assert entropy.decode(counts.data, 10, [10]).tolist() == vote.tolist()
+        replica = downlink.Replica(torch.from_numpy(X0.copy()), 0, torch.zeros(10, dtype=torch.int32), 0)
+        segment = downlink.Segment(1, cfg["segment-decay"][0], cfg["segment-step"][0], False, False, counts.data)
+        _, x = downlink.apply_segments(replica, [segment], [10], limit=200)
+        assert torch.equal(x, strategy.x)  # bit-identical replica
+        np.testing.assert_allclose(x.numpy(), expected_x(vote.tolist(), 0.1, 0.5), rtol=1e-6)
 
 
 def _corruptions(instruction: Message) -> dict[str, tuple[Message, str]]:
@@ -241,7 +265,7 @@ def test_malformed_reply_is_rejected_and_round_goes_on(case: str, caplog: pytest
         m.metadata.dst_node_id: m.content[CONFIG]["kind"]
         for m in strategy.configure_train(2, ArrayRecord(), ConfigRecord(), StubGrid([1, 2, 3, 4]))
     }
-    assert kinds == {1: "deltas", 2: "deltas", 3: "deltas", 4: "full"}
+    assert kinds == {1: "counts", 2: "counts", 3: "counts", 4: "full"}
 
 
 def test_only_malformed_replies_leave_x_unchanged(caplog: pytest.LogCaptureFixture) -> None:

@@ -289,6 +289,8 @@ class DLionClient:
             "checksum": state_checksum(host.x),
             "coin-flips": sum(flips),
         }
+        if state.depth == 2 and state.recent_version == state.version:  # the next Δ can be coded with it as context
+            metrics["context"] = state.version
         store.save(host)
         return Message(content=RecordDict({UPLOAD: ArrayRecord(arrays), METRICS: MetricRecord(metrics)}), reply_to=msg)
 

@@ -6,6 +6,10 @@ What a train message says about x (``protocol.CONFIG`` ``kind``):
 * ``"deltas"``: the encoded Δs from ``base-version`` to ``version``, applied in order as the
   server applied them, ``x ← x − lr·(Δ + wd·x)`` (:func:`quantizers.apply_delta_`); Δs the
   replica already has (its reply was lost) are skipped;
+* ``"counts"`` (the anchored downlink, :mod:`flower_dlion.downlink`): entropy-coded count
+  segments from ``base-version`` (one per anchor crossed), ``x = γ·xₐ − η·C``; with the anchored
+  downlink a ``"full"`` message carries the anchor xₐ (at ``anchor-version``) and the segments
+  since it;
 * ``"none"``: the replica is current;
 * with ``init-seed`` (a node without state, ``init = "seed"``): build x₀ from the seed, check
   it against the server's checksum, then apply the Δs since version 0.
@@ -25,9 +29,9 @@ import numpy as np
 import torch
 from flwr.app import RecordDict
 
-from .. import codec, quantizers
+from .. import codec, downlink, entropy, quantizers
 from ..params import ModelSpec, layout_fingerprint, state_checksum
-from ..protocol import BROADCAST, CONFIG, LEVELS_STYPE, REST, SEED_MISMATCH
+from ..protocol import BROADCAST, CODED_STYPE, CONFIG, LEVELS_STYPE, REST, SEED_MISMATCH
 from .state import ClientStateError, ReplicaState
 
 __all__ = ["SCALE_LIMIT", "SeedFn", "apply_message"]
@@ -50,6 +54,8 @@ def apply_message(
     kind, version, d = round_config["kind"], int(round_config["version"]), spec.d
     if kind == "full" or (state is None and "init-seed" in round_config):
         _check_layout(round_config, spec, node_id)
+    if kind == "counts" or (kind == "full" and "anchor-version" in round_config):
+        return _apply_anchored(content, state, spec, device, node_id, seed_fn)
     if kind == "full":
         payload = content[BROADCAST]["payload"].numpy()
         if payload.shape != (d,) or payload.dtype != np.float32:
@@ -83,6 +89,124 @@ def apply_message(
         raise ClientStateError(f"node {node_id}: unknown update kind {kind!r}")
     state.version = version
     return state
+
+
+def _apply_anchored(
+    content: RecordDict,
+    state: ReplicaState | None,
+    spec: ModelSpec,
+    device: torch.device,
+    node_id: int,
+    seed_fn: SeedFn | None,
+) -> ReplicaState:
+    """The anchored downlink: the base (own state, x₀ from the seed, or the anchor sent), then the count segments."""
+    round_config = content[CONFIG]
+    kind, version, d = round_config["kind"], int(round_config["version"]), spec.d
+    m, error, rest = torch.zeros(d, device=device), None, {}
+    if state is not None:
+        m, error, rest = state.m, state.error, state.rest
+    if kind == "full":  # the anchor, then the counts since it
+        anchor = _full_x(content, d, node_id)
+        rest = _received_rest(content, spec, device, node_id)
+        base = downlink.Replica(anchor.to(device), int(round_config["anchor-version"]), _zeros(d, device), 0)
+        base.version = base.anchor_version
+    elif "init-seed" in round_config:  # a new node, or one whose replica the server no longer trusts
+        seeded = _seeded_state(round_config, spec, device, node_id, seed_fn)
+        base = downlink.Replica(seeded.x, 0, _zeros(d, device), 0)
+        rest = rest if state is not None else seeded.rest
+    elif state is None or state.anchor is None or state.counts is None:
+        raise ClientStateError(
+            f"node {node_id} has no replica (new node, or its state was lost) but received kind={kind!r}; "
+            "the server must send the full model"
+        )
+    else:
+        base = downlink.Replica(
+            state.anchor, state.anchor_version, state.counts, state.version,
+            None if state.recent is None else state.recent.cpu().numpy(), state.recent_version, state.depth,
+        )  # fmt: skip
+        sent_from = int(round_config["base-version"])
+        if state.version != sent_from and state.previous == sent_from and state.version == version:
+            return state  # it applied these counts before (its reply was lost): already current
+        if state.version != sent_from and state.previous == sent_from and state.undo:
+            base = _undo(base, state, spec)  # its last catch-up's reply was lost: back to where the server thinks
+        elif state.version != sent_from:
+            raise ClientStateError(
+                f"node {node_id}: replica at version {state.version}, the counts are from version {sent_from}"
+            )
+    x, previous, undo = None, -1, b""
+    if "segment-end" in round_config:
+        segments = _segments(content, round_config, node_id)
+        limit = int(round_config["anchor-every"]) * int(round_config.get("local-steps", 1))
+        before = base
+        try:
+            base, x = downlink.apply_segments(base, segments, entropy.blocks_of(spec.sizes), limit)
+        except ValueError as err:  # CodingError too
+            raise ClientStateError(f"node {node_id}, round {round_config['server-round']}: {err}: refused") from err
+        if len(segments) == 1 and not segments[0].refresh:  # what it takes to go back, should the reply be lost
+            previous, undo = before.version, segments[0].payload
+            if segments[0].context:  # its decoder needs a context the replica no longer holds: keep the trits
+                trits = (base.counts - before.counts + 1).to(torch.uint8).cpu()  # uint8: the fast trit packer
+                undo = codec.encode_levels(trits, 3).numpy().tobytes()
+    if base.version != version:
+        raise ClientStateError(f"node {node_id}: the counts reach version {base.version}, the server's is {version}")
+    if x is None:  # a full message at the anchor's version: x is the anchor
+        x = base.anchor.clone()
+    recent = None if base.recent is None else torch.from_numpy(base.recent).to(device)
+    return ReplicaState(
+        x, m, version, error, rest=rest, anchor=base.anchor, counts=base.counts, recent=recent,
+        anchor_version=base.anchor_version, recent_version=base.recent_version, depth=base.depth,
+        previous=previous, undo=undo,
+    )  # fmt: skip
+
+
+def _undo(replica: downlink.Replica, state: ReplicaState, spec: ModelSpec) -> downlink.Replica:
+    """The replica as it was before its last catch-up (same anchor): C minus that catch-up's counts."""
+    d = spec.d
+    if state.undo[:4] == entropy.MAGIC:
+        got = entropy.decode(state.undo, d, entropy.blocks_of(spec.sizes))
+        taken = torch.from_numpy(got)
+    else:  # one Δ as packed trits
+        taken = codec.decode_levels(state.undo, 3, d).sub_(1)
+    counts = replica.counts - taken.to(replica.counts.device, torch.int32)
+    return downlink.Replica(replica.anchor, replica.anchor_version, counts, state.previous)
+
+
+def _zeros(d: int, device: torch.device) -> torch.Tensor:
+    return torch.zeros(d, dtype=torch.int32, device=device)
+
+
+def _full_x(content: RecordDict, d: int, node_id: int) -> torch.Tensor:
+    """The float32 model (or anchor) of a full message, checked."""
+    payload = content[BROADCAST]["payload"].numpy()
+    if payload.shape != (d,) or payload.dtype != np.float32:
+        raise ClientStateError(f"node {node_id}: full model has {payload.shape} {payload.dtype}, expected ({d},) f32")
+    if not np.isfinite(payload).all():
+        raise ClientStateError(f"node {node_id}: the full model has non-finite values: refused")
+    return torch.from_numpy(payload.copy())
+
+
+def _segments(content: RecordDict, round_config: dict, node_id: int) -> list[downlink.Segment]:
+    """The count segments of an anchored message, with their decay and step checked."""
+    if BROADCAST not in content or "counts" not in content[BROADCAST]:
+        raise ClientStateError(f"node {node_id}: an anchored message without its counts")
+    arr = content[BROADCAST]["counts"]
+    if arr.stype != CODED_STYPE:
+        raise ClientStateError(f"node {node_id}: counts stype {arr.stype!r}, expected {CODED_STYPE!r}")
+    data = arr.data
+    keys = ("segment-end", "segment-decay", "segment-step", "segment-refresh", "segment-context", "segment-bytes")
+    rows = list(zip(*(round_config[k] for k in keys), strict=True))
+    if sum(int(r[-1]) for r in rows) != len(data) or not rows:
+        raise ClientStateError(f"node {node_id}: counts payload has {len(data)} bytes, its segments say otherwise")
+    out, offset = [], 0
+    for end, decay, step, refresh, context, nbytes in rows:
+        if not (math.isfinite(decay) and math.isfinite(step) and 0.0 < decay <= 1.0 and step >= 0.0):
+            raise ClientStateError(
+                f"node {node_id}: a segment with decay {decay!r} and step {step!r} (0 < decay <= 1, step >= 0): refused"
+            )
+        out.append(downlink.Segment(int(end), float(decay), float(step), bool(refresh), bool(context),
+                                    bytes(data[offset : offset + nbytes])))  # fmt: skip
+        offset += nbytes
+    return out
 
 
 def _check_layout(round_config: dict, spec: ModelSpec, node_id: int) -> None:

@@ -57,10 +57,46 @@ class ReplicaState:
     error: torch.Tensor | None = None  # error-feedback residual of the ef-sign upload, float32 (d,)
     round: int = 0  # the server round whose train message left the node in this state
     rest: dict[str, torch.Tensor] = field(default_factory=dict)  # frozen parameters and buffers, by name
+    # the anchored downlink (flower_dlion.downlink): x = γ·anchor − η·counts
+    anchor: torch.Tensor | None = None  # xₐ, float32 (d,)
+    counts: torch.Tensor | None = None  # C since the anchor, int32 (d,)
+    recent: torch.Tensor | None = None  # the two last Δs as a coder context, uint8 (d,)
+    anchor_version: int = 0
+    recent_version: int = -1  # the version ``recent`` belongs to
+    depth: int = 0  # how many of the two last Δs ``recent`` holds
+    previous: int = -1  # the version before the last catch-up, which ``undo`` takes the counts back to (-1: none)
+    undo: bytes = b""  # that catch-up's counts: coded (flower_dlion.entropy) or, for one Δ, packed trits
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """x, m and, with error feedback, e."""
-        return {"x": self.x, "m": self.m} | ({"e": self.error} if self.error is not None else {})
+        """x, m and, where they are used, e (error feedback) and the anchored downlink's arrays."""
+        out = {"x": self.x, "m": self.m, "e": self.error, "anchor": self.anchor, "counts": self.counts}
+        return {k: v for k, v in (out | {"recent": self.recent}).items() if v is not None}
+
+    def meta(self) -> dict[str, int | bytes]:
+        """The anchored downlink's integers (with the version and round, what is stored besides tensors)."""
+        return {
+            "version": self.version,
+            "round": self.round,
+            "anchor-version": self.anchor_version,
+            "recent-version": self.recent_version,
+            "depth": self.depth,
+            "previous": self.previous,
+            "undo": self.undo,
+        }
+
+    def with_meta(self, meta: dict, tensors: dict[str, torch.Tensor]) -> ReplicaState:
+        """The state with the anchored downlink's fields read back from :meth:`meta` and :meth:`tensors`."""
+        return replace(
+            self,
+            anchor=tensors.get("anchor"),
+            counts=tensors.get("counts"),
+            recent=tensors.get("recent"),
+            anchor_version=int(meta.get("anchor-version", 0)),
+            recent_version=int(meta.get("recent-version", -1)),
+            depth=int(meta.get("depth", 0)),
+            previous=int(meta.get("previous", -1)),
+            undo=_as_bytes(meta.get("undo", b"")),
+        )
 
     def on_host(self, momentum_dtype: str) -> ReplicaState:
         """The state as it is stored: on the host, m as bfloat16 with that momentum dtype.
@@ -72,7 +108,16 @@ class ReplicaState:
         m = self.m.detach().to(torch.bfloat16) if momentum_dtype == "bfloat16" else self.m.detach()
         error = None if self.error is None else self.error.detach().cpu()
         rest = {k: v.detach().cpu() for k, v in self.rest.items()}
-        return replace(self, x=self.x.detach().cpu(), m=m.cpu(), error=error, rest=rest)
+        anchored = {k: None if v is None else v.detach().cpu() for k, v in self._anchored().items()}
+        return replace(self, x=self.x.detach().cpu(), m=m.cpu(), error=error, rest=rest, **anchored)
+
+    def _anchored(self) -> dict[str, torch.Tensor | None]:
+        return {"anchor": self.anchor, "counts": self.counts, "recent": self.recent}
+
+
+def _as_bytes(value: bytes | torch.Tensor) -> bytes:
+    """Bytes stored as such (context) or as a uint8 tensor (files, which ``weights_only`` loads without bytes)."""
+    return value.numpy().tobytes() if isinstance(value, torch.Tensor) else bytes(value)
 
 
 def default_state_dir() -> Path:
@@ -152,7 +197,7 @@ class StateStore:
         if m_bf16:  # stored as the raw 16 bits of bfloat16 (numpy has no bfloat16)
             t["m"] = t["m"].view(torch.bfloat16).float()
         rest_t = {name: torch.from_numpy(a).to(device) for name, a in rest.items()}
-        return ReplicaState(t["x"], t["m"], version, t.get("e"), saved_round, rest_t)
+        return ReplicaState(t["x"], t["m"], version, t.get("e"), saved_round, rest_t).with_meta(dict(meta), t)
 
     def _saved_rounds(self) -> list[int]:
         """Rounds of the complete state files (``r<round>.pt``), ascending."""
@@ -170,7 +215,8 @@ class StateStore:
         if saved["x"].shape != (d,) or saved["m"].shape != (d,):
             raise ClientStateError(f"state file {path} has shape {tuple(saved['x'].shape)}, d={d}")
         m = saved["m"].float()  # stored as bfloat16 with momentum-dtype = "bfloat16"
-        return ReplicaState(saved["x"], m, int(saved["version"]), saved.get("e"), int(saved["round"]), saved["rest"])
+        state = ReplicaState(saved["x"], m, int(saved["version"]), saved.get("e"), int(saved["round"]), saved["rest"])
+        return state.with_meta(saved, saved)
 
     # ------------------------------------------------------------------ write
     def save(self, host: ReplicaState) -> None:
@@ -188,9 +234,7 @@ class StateStore:
         cs[STATE_ARRAYS] = ArrayRecord({k: to_array(a) for k, a in arrays.items()})
         if host.rest:
             cs[STATE_REST] = ArrayRecord({k: to_array(_numpy(v)) for k, v in host.rest.items()})
-        cs[STATE_META] = ConfigRecord(
-            {"version": host.version, "round": host.round, "m-dtype": "bfloat16" if bf16 else "float32"}
-        )
+        cs[STATE_META] = ConfigRecord(host.meta() | {"m-dtype": "bfloat16" if bf16 else "float32"})
 
     def _to_file(self, host: ReplicaState) -> None:
         """Write ``r<round>.pt`` atomically; keep besides it only the newest file at or before ``keep_round``.
@@ -204,7 +248,12 @@ class StateStore:
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / f"r{host.round}.pt"
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        torch.save({"version": host.version, "round": host.round, "rest": host.rest} | host.tensors(), tmp)
+        undo = (
+            torch.frombuffer(bytearray(host.undo), dtype=torch.uint8)
+            if host.undo
+            else torch.zeros(0, dtype=torch.uint8)
+        )
+        torch.save(host.meta() | {"undo": undo, "rest": host.rest} | host.tensors(), tmp)  # weights_only: no bytes
         os.replace(tmp, path)  # readers see the old file or the new one, never half of one
         rounds = self._saved_rounds()
         kept = max((r for r in rounds if r <= self.keep_round), default=None)

@@ -15,12 +15,14 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, Met
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
-from .. import codec, lion, quantizers
+from .. import codec, entropy, lion, quantizers
 from ..bounds import median_momentum, robust_buffers
+from ..downlink import AnchoredHistory, Segment, levels_to_signs
 from ..params import LayoutError, ModelSpec, layer_mask, layout_fingerprint, state_checksum
 from ..protocol import (
     BROADCAST,
     CLIENT_STATE_ERROR,
+    CODED_STYPE,
     CONFIG,
     LEVELS_STYPE,
     METRICS,
@@ -73,6 +75,8 @@ class ServerState:
     synced_momentum: torch.Tensor | None = None  # the median of the last sync round's momenta, to send next
     seed_failed: set[int] = field(default_factory=set)  # partitions whose x₀ from the seed did not match
     x0_checksum: int = 0  # of x₀ and the rest of the model, for clients that build x₀ from the seed
+    anchored: AnchoredHistory | None = None  # the anchored downlink's anchor, counts and kept history
+    context_of: dict[int, int] = field(default_factory=dict)  # partition → version whose last two Δs it holds
 
     def to_dict(self) -> dict[str, Any]:
         """The state as plain values (copies)."""
@@ -84,6 +88,8 @@ class ServerState:
             "synced_momentum": None if self.synced_momentum is None else self.synced_momentum.clone(),
             "seed_failed": sorted(self.seed_failed),
             "x0_checksum": self.x0_checksum,
+            "anchored": None if self.anchored is None else self.anchored.to_dict(),
+            "context_of": dict(self.context_of),
         }
 
     @classmethod
@@ -97,6 +103,8 @@ class ServerState:
             synced_momentum=state["synced_momentum"],
             seed_failed=set(state["seed_failed"]),
             x0_checksum=int(state["x0_checksum"]),
+            anchored=None if state["anchored"] is None else AnchoredHistory.from_dict(state["anchored"]),
+            context_of={int(p): int(v) for p, v in state["context_of"].items()},
         )
 
 
@@ -190,8 +198,9 @@ class DistributedLion(ServerModelStrategy):
     min_replies : int (default: 1)
         A round with fewer valid replies applies no update.
     max_history_bytes : int | None (default: None)
-        Bytes of past encoded Δs kept for clients that missed rounds; ``None`` keeps up
-        to the size of the full model (a longer chain is never cheaper than the model).
+        Bytes of past encoded Δs (and, anchored, counts) kept for clients that missed rounds;
+        ``None``: the size of the full model for a chain (a longer chain is never cheaper than
+        the model), 8 times it for the anchored downlink.
     local_steps : int (default: 1)
         K, the Lion steps each client takes on its own copy of x per round.
     accumulate : int (default: 1)
@@ -223,6 +232,15 @@ class DistributedLion(ServerModelStrategy):
         The run's identity for clients that keep their state in files (run config
         ``client-state-dir``); kept in checkpoints so that a resumed run finds the files.
         "" sends nothing (state in ``context.state`` only).
+    downlink : {"auto", "anchored", "chain"} (default: "auto")
+        What a client that is behind receives. "anchored" (:mod:`flower_dlion.downlink`):
+        x = γ·xₐ − η·C from an anchor xₐ and the integer counts C = Σ Δ since it, so a client k
+        rounds behind gets C_now − C_have entropy-coded (about log₂ √k bits a value; the decay of
+        an epoch's Δs comes at its end), and the per-round Δ is coded with the two before it as
+        context. Needs a vote with exact broadcast. "chain": the missed Δs one by one
+        (k·1.6 bits), applying the decay each round. "auto": anchored where it applies.
+    anchor_every : int (default: 200)
+        Rounds between anchors (``xₐ ← x``, C ← 0) of the anchored downlink.
 
     Notes
     -----
@@ -268,6 +286,8 @@ class DistributedLion(ServerModelStrategy):
         init_seed: int | None = None,
         sample_seed: int = 0,
         state_key: str = "",
+        downlink: Literal["auto", "anchored", "chain"] = "auto",
+        anchor_every: int = 200,
     ) -> None:
         if aggregation not in ("vote", "mean"):
             raise ValueError(f"aggregation must be 'vote' or 'mean', got {aggregation!r}")
@@ -303,6 +323,19 @@ class DistributedLion(ServerModelStrategy):
             )
         if max_history_bytes is not None and max_history_bytes < 0:
             raise ValueError(f"max_history_bytes must be >= 0 or None, got {max_history_bytes}")
+        exact_vote = aggregation == "vote" and broadcast_bits == 0
+        if downlink not in ("auto", "anchored", "chain"):
+            raise ValueError(f"downlink must be 'auto', 'anchored' or 'chain', got {downlink!r}")
+        if downlink == "anchored" and not exact_vote:
+            raise ValueError(
+                f"downlink='anchored' needs integer Δs: aggregation='vote' and broadcast_bits=0 "
+                f"(got aggregation={aggregation!r}, broadcast_bits={broadcast_bits}); use 'chain' or 'auto'"
+            )
+        if not 1 <= anchor_every * local_steps <= 1 << 20:
+            raise ValueError(
+                f"anchor_every must be >= 1 with anchor_every * local_steps <= 2**20 (the counts' range), "
+                f"got {anchor_every} (local_steps={local_steps})"
+            )
         self.aggregation = aggregation
         self.lr = lr
         self.weight_decay = weight_decay
@@ -319,6 +352,8 @@ class DistributedLion(ServerModelStrategy):
         self.buffer_sync_every = buffer_sync_every
         self.init_seed = init_seed
         self.state_key = state_key
+        self.anchored = downlink == "anchored" or (downlink == "auto" and exact_vote)
+        self.anchor_every = anchor_every
         self.checkpoint_round = 0  # the latest checkpoint's round (clients keep their state as of it)
 
         # Global model and its bookkeeping, set from the initial arrays in round 1.
@@ -372,6 +407,8 @@ class DistributedLion(ServerModelStrategy):
                 ",".join(self.momentum_sync_layers) or "all",
                 self.init_seed,
             )
+        downlink = f"anchored (anchor every {self.anchor_every} rounds)" if self.anchored else "chain"
+        log(INFO, "\t│\t└──downlink=%s", downlink)
         self._log_sampling()
 
     # ------------------------------------------------------------------ train
@@ -381,6 +418,13 @@ class DistributedLion(ServerModelStrategy):
         assert self.x is not None
         self._mask = layer_mask(self._layout, self.momentum_sync_layers)
         self.state.x0_checksum = state_checksum(self.x, self._rest)
+        if self.anchored:
+            k, d = self.local_steps, self.num_parameters
+            memory = 32 * d if self.max_history_bytes is None else self.max_history_bytes
+            self.state.anchored = AnchoredHistory(
+                self.x.clone(), 1.0 - self.lr * self.weight_decay * k, self.lr * k, self.anchor_every,
+                entropy.blocks_of(self.sizes), memory,
+            )  # fmt: skip
 
     def _check_hello(self, node_id: int, record: ConfigRecord | MetricRecord) -> None:
         """Refuse a node whose model does not match the initial arrays or the federation's model.
@@ -495,7 +539,7 @@ class DistributedLion(ServerModelStrategy):
         """Keep the partition's version if the node can start from it; else it gets the full model."""
         super()._on_new_node(pid, node_id, version, previous)
         known = self.state.version_of.get(pid)
-        if known is None or known <= version <= self.state.version:
+        if known is None or known == version or (not self.anchored and known <= version <= self.state.version):
             return  # a new partition (full model), or a node that holds its replica (Δs since `known`)
         self.state.version_of.pop(pid)
         self._state_resets += 1
@@ -514,6 +558,8 @@ class DistributedLion(ServerModelStrategy):
         round_config = self._round_config(server_round, rnd)
         pid = self.partition_of(node_id)
         have = self.state.version_of.get(pid)
+        if self.state.anchored is not None and have != self.state.version:
+            return self._anchored_content(node_id, pid, have, round_config, rnd)
         if have is None and self.init_seed is not None and pid not in self.state.seed_failed:
             if self.state.version == 0 or self._chain_since(0) is not None:  # x₀ from the seed, then the Δs
                 have = 0
@@ -555,6 +601,66 @@ class DistributedLion(ServerModelStrategy):
         if self._rest:  # frozen parameters and buffers
             content[REST] = ArrayRecord({name: to_array(a) for name, a in self._rest.items()})
         return content, "full", 4 * self.num_parameters
+
+    def _anchored_content(
+        self, node_id: int, pid: int, have: int | None, round_config: ConfigRecord, rnd: _Round
+    ) -> tuple[RecordDict, str, int]:
+        """The anchored downlink's message for one node: the smallest that brings it to x.
+
+        The counts since its version, x₀'s seed and the counts since 0, or the anchor and the
+        counts since it (see :mod:`flower_dlion.downlink`).
+        """
+        history = self.state.anchored
+        assert history is not None and self.x is not None
+        version, d = self.state.version, self.num_parameters
+        options: list[tuple[int, str, int, list[Segment]]] = []  # (bytes, kind, base version, segments)
+        if have is not None and (segments := history.segments(have, self.state.context_of.get(pid) == have)):
+            options.append((sum(len(s.payload) for s in segments), "counts", have, segments))
+        if self.init_seed is not None and pid not in self.state.seed_failed:  # x₀ from the seed, also for a
+            segments = history.segments(0) if version else []  # known node whose version is no longer served
+            if segments is not None:
+                options.append((sum(len(s.payload) for s in segments), "seed", 0, segments))
+        start = history.epoch.start
+        segments = history.segments(start) if version > start else []
+        assert segments is not None, "the counts since the anchor are always kept"
+        options.append((4 * d + sum(len(s.payload) for s in segments), "full", start, segments))
+        size, kind, base, segments = min(options, key=lambda o: o[0])
+        round_config.update({"kind": "full" if kind == "full" else "counts", "base-version": base})
+        round_config["anchor-every"] = self.anchor_every
+        records: dict[str, Array] = {}
+        if kind == "seed":
+            rnd.seeded.add(node_id)
+            round_config.update(
+                {
+                    "init-seed": self.init_seed,
+                    "init-checksum": self.state.x0_checksum,
+                    "layout": layout_fingerprint(self._layout),
+                }
+            )
+        if kind == "full":
+            round_config.update({"anchor-version": start, "layout": layout_fingerprint(self._layout)})
+            records["payload"] = to_array(history.anchor.numpy())
+        if segments:
+            if kind != "full":
+                rnd.chain_lengths[node_id] = version - base
+            round_config.update(
+                {
+                    "segment-end": [s.end for s in segments],
+                    "segment-decay": [s.decay for s in segments],
+                    "segment-step": [s.step for s in segments],
+                    "segment-refresh": [int(s.refresh) for s in segments],
+                    "segment-context": [int(s.context) for s in segments],
+                    "segment-bytes": [len(s.payload) for s in segments],
+                }
+            )
+            data = b"".join(s.payload for s in segments)
+            records["counts"] = Array(dtype="coded", shape=(len(data),), stype=CODED_STYPE, data=data)
+        content = RecordDict({CONFIG: round_config})
+        if records:
+            content[BROADCAST] = ArrayRecord(records)
+        if kind == "full" and self._rest:  # frozen parameters and buffers
+            content[REST] = ArrayRecord({name: to_array(a) for name, a in self._rest.items()})
+        return content, "full" if kind == "full" else "counts", size
 
     def _chain_since(self, have: int) -> list[_Broadcast] | None:
         """The Δs from version ``have`` to now, if kept and smaller than the full model."""
@@ -692,7 +798,9 @@ class DistributedLion(ServerModelStrategy):
         )
         valid = sorted(checked.valid, key=lambda r: r.node_id)  # a fixed order: float sums are reproducible
         for r in valid:  # confirmed at the round's base version; the others keep their last confirmed one
-            self.state.version_of[self.partition_of(r.node_id)] = rnd.base_version
+            pid = self.partition_of(r.node_id)
+            self.state.version_of[pid] = rnd.base_version
+            self.state.context_of[pid] = int(r.values.get("context", -1))
         for node_id in sorted(set(rnd.sent) - checked.answered):
             pid = self.partition_of(node_id)
             log(WARNING, "round %d: no reply from node %d (partition %d)", server_round, node_id, pid)
@@ -744,11 +852,18 @@ class DistributedLion(ServerModelStrategy):
         assert self.x is not None
         d, n = self.num_parameters, len(valid)
         update, scales = self._aggregate(valid)
-        weight_decay = self.weight_decay * self.local_steps  # K local steps' worth of decay
-        s = None if scales is None else torch.tensor(scales)
-        quantizers.apply_delta_(self.x, update.levels, update.num_levels, s, self.sizes, self.lr, weight_decay)
-        self.state.version += 1
-        self._remember(_Broadcast(self.state.version, update.num_levels, self.lr, weight_decay, update.encoded, scales))
+        history = self.state.anchored
+        if history is not None:  # x = γ·xₐ − η·C (Δ = K·L, the K in η)
+            signs = levels_to_signs(update.levels, update.num_levels)
+            self.x.copy_(history.apply(signs, update.num_levels, update.encoded))
+            self.state.version += 1
+        else:
+            weight_decay = self.weight_decay * self.local_steps  # K local steps' worth of decay
+            s = None if scales is None else torch.tensor(scales)
+            quantizers.apply_delta_(self.x, update.levels, update.num_levels, s, self.sizes, self.lr, weight_decay)
+            self.state.version += 1
+            broadcast = _Broadcast(self.state.version, update.num_levels, self.lr, weight_decay, update.encoded, scales)
+            self._remember(broadcast)
         agreement = update.sum_abs / (d * n * self._kind.agreement_scale(self.local_steps))
         if rnd.momentum_sync:
             self.state.synced_momentum = median_momentum([r.momentum for r in valid if r.momentum is not None])

@@ -1,0 +1,353 @@
+"""The anchored downlink: a replica k rounds behind catches up with about log k bits per value.
+
+Imports torch, numpy and the package's codec and coder only (never flwr). With a vote, every
+round's Δ is an integer vector Lₜ ∈ {−1, 0, +1}ᵈ times a constant q (K local steps: q = K).
+Instead of applying ``x ← x − lr·(Δ + wd·x)`` round by round, the server and every replica
+keep an **anchor** xₐ (float32), taken at version a, and the integer **counts** C = Σₜ Lₜ of
+the rounds since, and compute x by one function (:func:`flower_dlion.lion.anchored`)::
+
+    x_v = γ₁^(v−a)·xₐ − η·C_v        γ₁ = 1 − lr·wd·q,  η = lr·q
+
+Every ``anchor_every`` rounds the anchor moves to x (xₐ ← x_v, a ← v, C ← 0), so the decay
+reaches the Δs of an epoch at its end instead of each round. A replica at version h needs
+only C_now − C_h to be current (and, across an anchor, the counts at each anchor it crossed):
+one :class:`Segment` per anchor epoch, entropy-coded (:mod:`flower_dlion.entropy`). Its size
+grows like the entropy of a sum of k votes, about log₂ √k bits, not k·log₂ 3.
+
+A replica that holds the two Δs before its version (it received them one by one) decodes the
+next Δ with them as context (9 contexts: ~1.2–1.4 bits a value instead of 1.6 packed).
+
+What the server keeps (:class:`AnchoredHistory`) is bounded by ``max_bytes``: the packed Δ of
+each kept version (0.2 bytes a value) and C at every :data:`SNAPSHOT_EVERY`-th version and at
+each anchor (2 bytes a value each, 4 beyond ±32 767); the oldest go first: about 0.33 bytes a value
+per version, so the default budget (8 float32 models) serves replicas up to ~100 versions back. A
+replica whose version is no longer covered gets x₀ from the seed plus the counts, or the anchor
+(float32) plus the counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import codec, entropy
+from .lion import anchored
+
+__all__ = ["AnchoredHistory", "Epoch", "Replica", "Segment", "apply_segments", "context_of", "levels_to_signs"]
+
+SNAPSHOT_EVERY = 16  # C is kept at every 16th version; the packed Δs since give any version in between
+CONTEXTS = 9  # (Δ_v, Δ_{v−1}) at a coordinate: 3·(Δ_v + 1) + (Δ_{v−1} + 1)
+
+
+def levels_to_signs(levels: torch.Tensor, num_levels: int) -> torch.Tensor:
+    """A vote's levels (2: {0, 1}; 3: {0, 1, 2}) as L ∈ {−1, 0, +1}, int32."""
+    levels = levels.to(torch.int32)
+    if num_levels == 2:
+        return levels.mul(2).sub_(1)
+    if num_levels == 3:
+        return levels.sub(1)
+    raise ValueError(f"the anchored downlink takes a vote (2 or 3 levels), got {num_levels} levels")
+
+
+def context_of(signs: np.ndarray, previous: np.ndarray) -> np.ndarray:
+    """The context after a Δ: ``3·(L + 1) + (previous context // 3)`` (uint8, 0–8)."""
+    return ((signs.astype(np.int16) + 1) * 3 + previous // 3).astype(np.uint8)
+
+
+@dataclass
+class Epoch:
+    """The rounds between two anchors: its anchor's version, per-round decay γ₁ and step η."""
+
+    start: int
+    decay: float  # γ₁ = 1 − lr·wd·q
+    step: float  # η = lr·q
+    end: int | None = None  # the version of the next anchor; None: the current epoch
+
+    def decay_at(self, version: int) -> float:
+        """γ of x at ``version``: γ₁^(version − start)."""
+        return self.decay ** (version - self.start)
+
+
+@dataclass
+class Segment:
+    """One part of a catch-up: add the decoded counts to C, giving ``end``; then maybe a new anchor."""
+
+    end: int  # version reached
+    decay: float  # γ of x at ``end``
+    step: float  # η
+    refresh: bool  # ``end`` is an anchor: xₐ ← x, C ← 0
+    context: bool  # a single Δ coded with the two before it as context
+    payload: bytes
+
+
+@dataclass
+class Replica:
+    """What a replica needs of the anchored form: xₐ, its version, C, and the context it holds."""
+
+    anchor: torch.Tensor  # float32 (d,)
+    anchor_version: int
+    counts: torch.Tensor  # int32 (d,)
+    version: int
+    recent: np.ndarray | None = None  # context (the two last Δs) at ``recent_version``
+    recent_version: int = -1
+    depth: int = 0  # how many of the two last Δs ``recent`` holds (2: usable as context)
+
+    def x(self, decay: float, step: float) -> torch.Tensor:
+        """The replica's x at ``version`` (:func:`flower_dlion.lion.anchored`)."""
+        return anchored(self.anchor, self.counts, decay, step)
+
+
+def apply_segments(
+    replica: Replica, segments: list[Segment], ends: list[int], limit: int
+) -> tuple[Replica, torch.Tensor]:
+    """The replica after ``segments`` and its x; ``replica`` is left as it was.
+
+    Raises :class:`flower_dlion.entropy.CodingError` for a payload that does not decode and
+    ``ValueError`` for counts beyond ``limit`` (more than one per round of the epoch).
+    """
+    d = replica.counts.numel()
+    counts = replica.counts.cpu().numpy().astype(np.int64)
+    anchor, anchor_version, version = replica.anchor, replica.anchor_version, replica.version
+    recent, recent_version, depth = replica.recent, replica.recent_version, replica.depth
+    x = None
+    for seg in segments:
+        context = recent if seg.context else None
+        if seg.context and (recent is None or recent_version != version or depth < 2):
+            raise ValueError(f"a Δ coded with the context of version {version}, which this replica does not hold")
+        got = entropy.decode(seg.payload, d, ends, context, CONTEXTS)
+        counts += got
+        if np.abs(counts).max(initial=0) > limit:
+            raise ValueError(f"counts reach {int(np.abs(counts).max())}, more than {limit} rounds of an epoch")
+        if seg.end - version == 1:  # one Δ: the context moves on
+            if np.abs(got).max(initial=0) > 1:
+                raise ValueError("a one-round segment holds values other than −1, 0, +1")
+            prev = recent if recent is not None and recent_version == version else np.full(d, 4, np.uint8)
+            depth = min(depth + 1, 2) if recent is not None and recent_version == version else 1
+            recent, recent_version = context_of(got, prev), seg.end
+        else:
+            recent, recent_version, depth = None, -1, 0
+        version = seg.end
+        c = torch.from_numpy(counts.astype(np.int32)).to(replica.counts.device)
+        x = anchored(anchor, c, seg.decay, seg.step)
+        if seg.refresh:
+            anchor, anchor_version = x, version
+            counts[:] = 0
+    assert x is not None, "no segments"
+    new_counts = torch.from_numpy(counts.astype(np.int32)).to(replica.counts.device)
+    out = Replica(anchor.clone(), anchor_version, new_counts, version, recent, recent_version, depth)
+    return out, x
+
+
+def _compact(counts: np.ndarray) -> np.ndarray:
+    """A copy of C in 2 bytes a value where it fits (an epoch of up to 32 767 rounds of single steps), else 4."""
+    return counts.astype(np.int16 if int(np.abs(counts).max(initial=0)) < 1 << 15 else np.int32)
+
+
+@dataclass
+class AnchoredHistory:
+    """The server's side: xₐ, C, the epochs, and what it keeps to serve replicas that missed rounds.
+
+    Parameters
+    ----------
+    anchor : torch.Tensor
+        x₀ (float32), the first anchor, at version 0.
+    decay, step : float
+        γ₁ = 1 − lr·wd·q and η = lr·q of the first epoch.
+    anchor_every : int
+        Rounds between anchors.
+    ends : list[int]
+        The coder's block ends (:func:`flower_dlion.entropy.blocks_of` of the tensor sizes).
+    max_bytes : int
+        Memory for kept Δs and counts; beyond it the oldest go.
+
+    """
+
+    anchor: torch.Tensor
+    decay: float
+    step: float
+    anchor_every: int
+    ends: list[int]
+    max_bytes: int
+    version: int = 0
+    counts: torch.Tensor | None = None  # C since the anchor, int32
+    epochs: list[Epoch] = field(default_factory=list)
+    deltas: dict[int, tuple[int, bytes]] = field(default_factory=dict)  # version → (levels, packed Δ)
+    snapshots: dict[int, np.ndarray] = field(default_factory=dict)  # version → C there; at an anchor: the C it ended
+
+    context: np.ndarray | None = None  # (Δ_v, Δ_{v−1}) at the current version
+    previous_context: np.ndarray | None = None  # the same at version − 1
+    _cache: dict[tuple[int, bool], list[Segment] | None] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        d = self.anchor.numel()
+        if self.counts is None:
+            self.counts = torch.zeros(d, dtype=torch.int32)
+        if not self.epochs:
+            self.epochs = [Epoch(0, self.decay, self.step)]
+
+    @property
+    def epoch(self) -> Epoch:
+        """The current epoch."""
+        return self.epochs[-1]
+
+    def x(self) -> torch.Tensor:
+        """The server's x at the current version."""
+        assert self.counts is not None
+        return anchored(self.anchor, self.counts, self.epoch.decay_at(self.version), self.epoch.step)
+
+    def apply(self, signs: torch.Tensor, num_levels: int, packed: bytes) -> torch.Tensor:
+        """One round: C += L, a new version, maybe a new anchor. Returns x (a new tensor)."""
+        assert self.counts is not None
+        self.counts += signs.to(torch.int32)
+        self.version += 1
+        self._cache.clear()
+        self.deltas[self.version] = (num_levels, packed)
+        d = signs.numel()
+        s = signs.numpy()
+        self.previous_context = self.context
+        prev = self.context if self.context is not None else np.full(d, 4, np.uint8)
+        self.context = context_of(s, prev)
+        x = self.x()
+        epoch = self.epoch
+        if self.version - epoch.start >= self.anchor_every:  # a new anchor at x
+            self.snapshots[self.version] = _compact(self.counts.numpy())
+            epoch.end = self.version
+            self.anchor = x.clone()
+            self.counts.zero_()
+            self.epochs.append(Epoch(self.version, self.decay, self.step))
+        elif self.version % SNAPSHOT_EVERY == 0:
+            self.snapshots[self.version] = _compact(self.counts.numpy())
+        self._trim()
+        return x
+
+    def _trim(self) -> None:
+        """Drop the oldest kept Δs and counts beyond ``max_bytes``."""
+        while (self.deltas or self.snapshots) and self.memory() > self.max_bytes:
+            oldest_delta = min(self.deltas, default=self.version + 1)
+            oldest_snap = min(self.snapshots, default=self.version + 1)
+            if oldest_delta <= oldest_snap:
+                del self.deltas[oldest_delta]
+            else:
+                del self.snapshots[oldest_snap]
+
+    def memory(self) -> int:
+        """Bytes of kept Δs and counts (besides xₐ, C and the two contexts)."""
+        return sum(len(p) for _, p in self.deltas.values()) + sum(s.nbytes for s in self.snapshots.values())
+
+    # ------------------------------------------------------------------ serving a replica
+    def _epoch_of(self, version: int) -> Epoch:
+        for epoch in reversed(self.epochs):
+            if epoch.start <= version:
+                return epoch
+        raise ValueError(f"version {version} before the first epoch")
+
+    def counts_at(self, version: int) -> np.ndarray | None:
+        """C at ``version`` (counts since that version's anchor), or None when no longer kept.
+
+        From the nearest version whose C is known (the anchor: 0, a snapshot, the epoch's end,
+        now), adding or taking away the kept Δs in between.
+        """
+        assert self.counts is not None
+        epoch = self._epoch_of(version)
+        d = self.anchor.numel()
+        known = {epoch.start: None}  # version → C there (None: zeros)
+        known |= {v: c for v, c in self.snapshots.items() if epoch.start < v and (epoch.end is None or v <= epoch.end)}
+        if epoch.end is None:
+            known[self.version] = self.counts.numpy()
+        for base in sorted(known, key=lambda v: abs(v - version)):
+            lo, hi = sorted((base, version))
+            if all(v in self.deltas for v in range(lo + 1, hi + 1)):
+                out = np.zeros(d, np.int32) if known[base] is None else known[base].astype(np.int32)
+                sign = 1 if base <= version else -1
+                for v in range(lo + 1, hi + 1):
+                    num_levels, packed = self.deltas[v]
+                    out += sign * levels_to_signs(codec.decode_levels(packed, num_levels, d), num_levels).numpy()
+                return out
+        return None
+
+    def end_counts(self, epoch: Epoch) -> np.ndarray | None:
+        """C at the end of a past epoch (just before its anchor)."""
+        assert epoch.end is not None
+        return self.snapshots.get(epoch.end)
+
+    def segments(self, have: int, context: bool = False) -> list[Segment] | None:
+        """The catch-up from version ``have`` to now, coded; None when it can no longer be made.
+
+        ``context``: the replica holds the two Δs before ``have`` (a one-round catch-up is then
+        coded with them). Cached until the next :meth:`apply`.
+        """
+        key = (have, context and have == self.version - 1)
+        if key not in self._cache:
+            self._cache[key] = self._segments(have, key[1])
+        return self._cache[key]
+
+    def _segments(self, have: int, with_context: bool) -> list[Segment] | None:
+        if not 0 <= have < self.version:
+            return None
+        base = self.counts_at(have)
+        if base is None:
+            return None
+        out, epoch = [], self._epoch_of(have)
+        while epoch.end is not None:  # past epochs: to their anchor
+            end = self.end_counts(epoch)
+            if end is None:
+                return None
+            out.append(self._segment(end - base, epoch, epoch.end, refresh=True, context=False))
+            base = np.zeros_like(base)
+            epoch = self.epochs[self.epochs.index(epoch) + 1]
+        if self.version > epoch.start:
+            assert self.counts is not None
+            use_context = with_context and self.previous_context is not None
+            out.append(self._segment(self.counts.numpy() - base, epoch, self.version, False, use_context))
+        return out
+
+    def _segment(self, counts: np.ndarray, epoch: Epoch, end: int, refresh: bool, context: bool) -> Segment:
+        ctx = self.previous_context if context else None
+        payload = entropy.encode(counts, self.ends, ctx, CONTEXTS)
+        return Segment(end, epoch.decay_at(end), epoch.step, refresh, context, payload)
+
+    # ------------------------------------------------------------------ checkpoints
+    def to_dict(self) -> dict[str, Any]:
+        """The history as plain values (copies), for a checkpoint."""
+        assert self.counts is not None
+        return {
+            "anchor": self.anchor.clone(),
+            "decay": self.decay,
+            "step": self.step,
+            "anchor_every": self.anchor_every,
+            "ends": list(self.ends),
+            "max_bytes": self.max_bytes,
+            "version": self.version,
+            "counts": self.counts.clone(),
+            "epochs": [vars(e).copy() for e in self.epochs],
+            "deltas": {v: (n, bytes(p)) for v, (n, p) in self.deltas.items()},
+            "snapshots": {v: torch.from_numpy(s.copy()) for v, s in self.snapshots.items()},
+            "context": None if self.context is None else torch.from_numpy(self.context.copy()),
+            "previous_context": None if self.previous_context is None else torch.from_numpy(self.previous_context),
+        }
+
+    @classmethod
+    def from_dict(cls, state: dict[str, Any]) -> AnchoredHistory:
+        """Inverse of :meth:`to_dict`."""
+
+        def arr(t: torch.Tensor | None) -> np.ndarray | None:
+            return None if t is None else t.numpy().copy()
+
+        return cls(
+            anchor=state["anchor"].clone(),
+            decay=float(state["decay"]),
+            step=float(state["step"]),
+            anchor_every=int(state["anchor_every"]),
+            ends=[int(e) for e in state["ends"]],
+            max_bytes=int(state["max_bytes"]),
+            version=int(state["version"]),
+            counts=state["counts"].clone(),
+            epochs=[Epoch(**e) for e in state["epochs"]],
+            deltas={int(v): (int(n), bytes(p)) for v, (n, p) in state["deltas"].items()},
+            snapshots={int(v): s.numpy().copy() for v, s in state["snapshots"].items()},
+            context=arr(state["context"]),
+            previous_context=arr(state["previous_context"]),
+        )
