@@ -321,3 +321,39 @@ def test_a_node_behind_the_kept_history_rebuilds_x0_from_the_seed_and_history_st
     assert msgs[1].content[CONFIG]["base-version"] == 28  # the others, one round behind
     history = strategy.state.anchored
     assert history.memory() <= 10 and history.counts_at(1) is None
+
+
+def test_a_lost_reply_after_a_context_coded_delta_is_taken_back_off_not_resynced() -> None:
+    # Prepare: 2 clients every round; node 1001 holds the two last Δs by round 5, so its round-5 Δ is
+    # coded with them as context, and its round-5 reply is lost after it applied that Δ
+    from flwr.app import ConfigRecord
+
+    from flower_dlion.client_app import app as client_app
+    from flower_dlion.clients.state import load_state
+    from flower_dlion.local_grid import LocalGrid
+    from flower_dlion.protocol import CONFIG
+    from flower_dlion.strategies import DistributedLion
+
+    from .test_federation import LR, RUN_CONFIG, WD, initial_arrays
+
+    def hook(node_id, reply):
+        return None if node_id == 1001 and reply.metadata.group_id == "5" else reply
+
+    grid = LocalGrid(client_app, 2, run_config=RUN_CONFIG, reply_hook=hook)
+    strategy = DistributedLion(lr=LR, weight_decay=WD, init_seed=0)
+    _, arrays = initial_arrays()
+    sent = {}
+    # Execute
+    for rnd in range(1, 8):
+        msgs = strategy.configure_train(rnd, arrays, ConfigRecord({"batch-size": 8}), grid)
+        sent[rnd] = {m.metadata.dst_node_id: m.content[CONFIG] for m in msgs}
+        strategy.aggregate_train(rnd, grid.send_and_receive(msgs))
+    # Assert: round 5 sent node 1001 a context-coded Δ (3 → 4); round 6 sent it the counts from version 3 (its
+    # last confirmed), which it applied after taking round 5's Δ back off: no error, no resync, and its
+    # replica's checksum equal to the server's x in rounds 6 and 7 (else the reply would be rejected)
+    assert sent[5][1001]["segment-context"] == [1] and sent[5][1001]["base-version"] == 3
+    assert sent[6][1001]["base-version"] == 3 and sent[6][1001]["version"] == 5
+    assert [h["num-replies"] for h in strategy.history] == [2, 2, 2, 2, 1, 2, 2]
+    assert sum(h["full-syncs"] + h["checksum-mismatches"] + h["num-rejected"] for h in strategy.history) == 0
+    state = load_state(grid.context(1001), strategy.num_parameters, torch.device("cpu"))
+    assert state.version == 6 and state.previous == 5 and state.undo  # ready to take round 7's Δ back off

@@ -128,7 +128,10 @@ def _apply_anchored(
         if state.version != sent_from and state.previous == sent_from and state.version == version:
             return state  # it applied these counts before (its reply was lost): already current
         if state.version != sent_from and state.previous == sent_from and state.undo:
-            base = _undo(base, state, spec)  # its last catch-up's reply was lost: back to where the server thinks
+            try:  # its last catch-up's reply was lost: back to where the server thinks it is
+                base = _undo(base, state, spec)
+            except ValueError as err:
+                raise ClientStateError(f"node {node_id}: its last catch-up cannot be taken back ({err})") from err
         elif state.version != sent_from:
             raise ClientStateError(
                 f"node {node_id}: replica at version {state.version}, the counts are from version {sent_from}"
@@ -143,10 +146,10 @@ def _apply_anchored(
         except ValueError as err:  # CodingError too
             raise ClientStateError(f"node {node_id}, round {round_config['server-round']}: {err}: refused") from err
         if len(segments) == 1 and not segments[0].refresh:  # what it takes to go back, should the reply be lost
-            previous, undo = before.version, segments[0].payload
+            previous, undo = before.version, b"C" + segments[0].payload
             if segments[0].context:  # its decoder needs a context the replica no longer holds: keep the trits
                 trits = (base.counts - before.counts + 1).to(torch.uint8).cpu()  # uint8: the fast trit packer
-                undo = codec.encode_levels(trits, 3).numpy().tobytes()
+                undo = b"T" + codec.encode_levels(trits, 3).numpy().tobytes()
     if base.version != version:
         raise ClientStateError(f"node {node_id}: the counts reach version {base.version}, the server's is {version}")
     if x is None:  # a full message at the anchor's version: x is the anchor
@@ -161,12 +164,11 @@ def _apply_anchored(
 
 def _undo(replica: downlink.Replica, state: ReplicaState, spec: ModelSpec) -> downlink.Replica:
     """The replica as it was before its last catch-up (same anchor): C minus that catch-up's counts."""
-    d = spec.d
-    if state.undo[:4] == entropy.MAGIC:
-        got = entropy.decode(state.undo, d, entropy.blocks_of(spec.sizes))
-        taken = torch.from_numpy(got)
-    else:  # one Δ as packed trits
-        taken = codec.decode_levels(state.undo, 3, d).sub_(1)
+    d, kind, data = spec.d, state.undo[:1], state.undo[1:]
+    if kind == b"C":  # the coded counts as received
+        taken = torch.from_numpy(entropy.decode(data, d, entropy.blocks_of(spec.sizes)))
+    else:  # b"T": one Δ as packed trits
+        taken = codec.decode_levels(data, 3, d).sub_(1)
     counts = replica.counts - taken.to(replica.counts.device, torch.int32)
     return downlink.Replica(replica.anchor, replica.anchor_version, counts, state.previous)
 
