@@ -95,10 +95,6 @@ class Replica:
     recent_version: int = -1
     depth: int = 0  # how many of the two last Δs ``recent`` holds (2: usable as context)
 
-    def x(self, decay: float, step: float) -> torch.Tensor:
-        """The replica's x at ``version`` (:func:`flower_dlion.lion.anchored`)."""
-        return anchored(self.anchor, self.counts, decay, step)
-
 
 def apply_segments(
     replica: Replica, segments: list[Segment], ends: list[int], limit: int
@@ -108,8 +104,8 @@ def apply_segments(
     Raises :class:`flower_dlion.entropy.CodingError` for a payload that does not decode and
     ``ValueError`` for counts beyond ``limit`` (more than one per round of the epoch).
     """
-    d = replica.counts.numel()
-    counts = replica.counts.cpu().numpy().astype(np.int64)
+    d, device = replica.counts.numel(), replica.counts.device
+    counts = replica.counts.cpu().numpy().astype(np.int32)  # a copy: the replica is left as it was
     anchor, anchor_version, version = replica.anchor, replica.anchor_version, replica.version
     recent, recent_version, depth = replica.recent, replica.recent_version, replica.depth
     x = None
@@ -118,27 +114,26 @@ def apply_segments(
         if seg.context and (recent is None or recent_version != version or depth < 2):
             raise ValueError(f"a Δ coded with the context of version {version}, which this replica does not hold")
         got = entropy.decode(seg.payload, d, ends, context, CONTEXTS)
+        bound = 1 if seg.end - version == 1 else 1 << 30  # one Δ: ±1; any: far from int32's overflow below
+        if got.size and (int(got.min()) < -bound or int(got.max()) > bound):
+            raise ValueError(f"a segment holds counts in [{got.min()}, {got.max()}], beyond ±{bound}")
         counts += got
-        if np.abs(counts).max(initial=0) > limit:
+        if got.size and int(np.abs(counts).max()) > limit:
             raise ValueError(f"counts reach {int(np.abs(counts).max())}, more than {limit} rounds of an epoch")
         if seg.end - version == 1:  # one Δ: the context moves on
-            if np.abs(got).max(initial=0) > 1:
-                raise ValueError("a one-round segment holds values other than −1, 0, +1")
             prev = recent if recent is not None and recent_version == version else np.full(d, 4, np.uint8)
             depth = min(depth + 1, 2) if recent is not None and recent_version == version else 1
             recent, recent_version = context_of(got, prev), seg.end
         else:
             recent, recent_version, depth = None, -1, 0
         version = seg.end
-        c = torch.from_numpy(counts.astype(np.int32)).to(replica.counts.device)
-        x = anchored(anchor, c, seg.decay, seg.step)
+        x = anchored(anchor, torch.from_numpy(counts).to(device), seg.decay, seg.step)
         if seg.refresh:
-            anchor, anchor_version = x, version
+            anchor, anchor_version = x.clone(), version  # x may be trained on: the anchor is its own copy
             counts[:] = 0
     assert x is not None, "no segments"
-    new_counts = torch.from_numpy(counts.astype(np.int32)).to(replica.counts.device)
-    out = Replica(anchor.clone(), anchor_version, new_counts, version, recent, recent_version, depth)
-    return out, x
+    counts_t = torch.from_numpy(counts).to(device)
+    return Replica(anchor, anchor_version, counts_t, version, recent, recent_version, depth), x
 
 
 def _compact(counts: np.ndarray) -> np.ndarray:
@@ -268,11 +263,6 @@ class AnchoredHistory:
                 return out
         return None
 
-    def end_counts(self, epoch: Epoch) -> np.ndarray | None:
-        """C at the end of a past epoch (just before its anchor)."""
-        assert epoch.end is not None
-        return self.snapshots.get(epoch.end)
-
     def segments(self, have: int, context: bool = False) -> list[Segment] | None:
         """The catch-up from version ``have`` to now, coded; None when it can no longer be made.
 
@@ -292,7 +282,7 @@ class AnchoredHistory:
             return None
         out, epoch = [], self._epoch_of(have)
         while epoch.end is not None:  # past epochs: to their anchor
-            end = self.end_counts(epoch)
+            end = self.snapshots.get(epoch.end)  # C at the end of that epoch, just before its anchor
             if end is None:
                 return None
             out.append(self._segment(end - base, epoch, epoch.end, refresh=True, context=False))

@@ -34,8 +34,8 @@ def test_three_supernodes_with_tls_and_auth_finish_and_bytes_match_the_superlink
             dep.start_supernode(i)
         started = list(dep.procs.values())
         # Execute
-        record = dep.run(
-            f"num-server-rounds=2 eval-every=1 holdout=2000 results-dir='{results}' "
+        record = dep.run(  # init='full': MBs on the wire, so that the connections' fixed ~7 kB stay within 5 %
+            f"num-server-rounds=2 init='full' eval-every=1 holdout=2000 results-dir='{results}' "
             f"client-state-dir='{state}' state-in-context=false",
             timeout=900,
         )
@@ -47,9 +47,8 @@ def test_three_supernodes_with_tls_and_auth_finish_and_bytes_match_the_superlink
     summary = json.loads((results / "summary.json").read_text())
     assert summary["final_accuracy"] > 0.15  # chance is 0.1
     traffic = record["network-traffic"]
-    # within 5 %, besides the connections' own overhead (~2.5 kB per SuperNode each way measured here)
-    assert traffic["inbound-bytes"] == pytest.approx(summary["total_mb_up"] * 1e6, rel=0.05, abs=12_000)
-    assert traffic["outbound-bytes"] == pytest.approx(summary["total_mb_down"] * 1e6, rel=0.05, abs=12_000)
+    assert traffic["inbound-bytes"] == pytest.approx(summary["total_mb_up"] * 1e6, rel=0.05)
+    assert traffic["outbound-bytes"] == pytest.approx(summary["total_mb_down"] * 1e6, rel=0.05)
     # each SuperNode's ClientApp kept its state in its partition's file of the last round, and only there
     assert sorted(str(p.relative_to(state)).split(os.sep, 1)[1] for p in state.rglob("*.pt")) == [
         f"partition-{i}{os.sep}r2.pt" for i in range(3)

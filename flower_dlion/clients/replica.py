@@ -57,14 +57,7 @@ def apply_message(
     if kind == "counts" or (kind == "full" and "anchor-version" in round_config):
         return _apply_anchored(content, state, spec, device, node_id, seed_fn)
     if kind == "full":
-        payload = content[BROADCAST]["payload"].numpy()
-        if payload.shape != (d,) or payload.dtype != np.float32:
-            raise ClientStateError(
-                f"node {node_id}: full model has {payload.shape} {payload.dtype}, expected ({d},) float32"
-            )
-        if not np.isfinite(payload).all():
-            raise ClientStateError(f"node {node_id}: the full model has non-finite values: refused")
-        x = torch.from_numpy(payload.copy()).to(device)
+        x = _full_x(content, d, node_id).to(device)
         rest = _received_rest(content, spec, device, node_id)
         if state is None:
             return ReplicaState(x, torch.zeros(d, device=device), version, rest=rest)
@@ -181,7 +174,9 @@ def _full_x(content: RecordDict, d: int, node_id: int) -> torch.Tensor:
     """The float32 model (or anchor) of a full message, checked."""
     payload = content[BROADCAST]["payload"].numpy()
     if payload.shape != (d,) or payload.dtype != np.float32:
-        raise ClientStateError(f"node {node_id}: full model has {payload.shape} {payload.dtype}, expected ({d},) f32")
+        raise ClientStateError(
+            f"node {node_id}: full model has {payload.shape} {payload.dtype}, expected ({d},) float32"
+        )
     if not np.isfinite(payload).all():
         raise ClientStateError(f"node {node_id}: the full model has non-finite values: refused")
     return torch.from_numpy(payload.copy())
