@@ -16,6 +16,7 @@ __all__ = [
     "DLION_ONLY",
     "DLION_STRATEGIES",
     "FEDAVG_FAMILY",
+    "FEDOPT",
     "STRATEGIES",
     "read_config",
 ]
@@ -31,9 +32,14 @@ DEFAULTS: dict[str, Any] = {
     "local-epochs": 1,
     "local-batches": 0,
     "local-steps": 1,
+    "local-optimizer": "lion",
+    "local-lr": 0.0,
+    "local-proximal-mu": 0.0,
+    "stale-momentum": "keep",
     "accumulate": 1,
     "upload": "sign",
     "broadcast-bits": 0,
+    "server-momentum": 0.0,
     "momentum-sync-every": 0,
     "momentum-sync-layers": "",
     "init": "seed",
@@ -64,10 +70,15 @@ DEFAULTS: dict[str, Any] = {
     "client-state-dir": "",
     "state-in-context": True,
     "momentum-dtype": "float32",
+    "proximal-mu": 0.01,
+    "server-lr": 0.01,
+    "server-tau": 0.001,
 }
 
-# Flower's FedAvg and its robust aggregators: the same client (local SGD epochs, the model out)
-FEDAVG_FAMILY = ("fedavg", "fedmedian", "fedtrimmedavg", "krum", "multikrum", "bulyan")
+# Flower's FedAvg, its robust aggregators, FedProx and the adaptive server optimizers (FedAdam,
+# FedYogi): the same client (local SGD epochs, the model out)
+FEDOPT = ("fedadam", "fedyogi")
+FEDAVG_FAMILY = ("fedavg", "fedprox", *FEDOPT, "fedmedian", "fedtrimmedavg", "krum", "multikrum", "bulyan")
 STRATEGIES = ("dlion-vote", "dlion-mean", "signsgd-vote", "global-lion", "global-adamw", "terngrad", *FEDAVG_FAMILY)
 
 BYZANTINE_MODES = ("flip", "random", "scale", "momentum", "little")  # clients/attacks.py
@@ -77,6 +88,8 @@ _CHOICES = {
     "partitioner": ("iid", "dirichlet", "pathological", "shard"),
     "device": ("auto", "cpu", "cuda"),
     "upload": ("sign", "sum", "ef-sign"),
+    "local-optimizer": ("lion", "sgd"),
+    "stale-momentum": ("keep", "decay", "reset"),
     "init": ("full", "seed"),
     "downlink": ("auto", "anchored", "chain"),
     "byzantine-mode": BYZANTINE_MODES,
@@ -90,9 +103,14 @@ DLION_ONLY = (
     "state-in-context",
     "momentum-dtype",
     "local-steps",
+    "local-optimizer",
+    "local-lr",
+    "local-proximal-mu",
+    "stale-momentum",
     "accumulate",
     "upload",
     "broadcast-bits",
+    "server-momentum",
     "momentum-sync-every",
     "momentum-sync-layers",
     "init",
@@ -209,9 +227,61 @@ def read_config(run_config: Mapping[str, Any] | None) -> dict[str, Any]:
             f"run-config 'anchor-every' × 'local-steps' must be <= 2**20 (the counts' range), got "
             f"{cfg['anchor-every']} × {cfg['local-steps']}"
         )
+    if not 0.0 <= cfg["server-momentum"] < 1.0:
+        raise ValueError(f"run-config 'server-momentum' must be in [0, 1), got {cfg['server-momentum']}")
+    if cfg["server-momentum"] and not cfg["broadcast-bits"]:
+        raise ValueError(
+            "run-config 'server-momentum' needs 'broadcast-bits' >= 1: the momentum step is quantized for the "
+            f"broadcast, got server-momentum={cfg['server-momentum']}, broadcast-bits=0"
+        )
+    _check_local_optimizer(cfg)
+    _check_baseline_keys(cfg)
     if cfg["upload"] == "ef-sign" and cfg["strategy"] == "dlion-mean" and cfg["broadcast-bits"] == 0:
         raise ValueError(
             "run-config upload='ef-sign' with the mean needs 'broadcast-bits' >= 1: "
             "a mean of scaled signs has no exact low-bit form"
         )
     return cfg
+
+
+def _check_local_optimizer(cfg: dict[str, Any]) -> None:
+    """The local work's keys: ``local-proximal-mu`` needs local steps; ``local-optimizer`` = "sgd".
+
+    The FedSMU-style client (``local-optimizer`` = "sgd") needs a ``local-lr`` > 0 and the sign upload.
+    """
+    mu = cfg["local-proximal-mu"]
+    if not (math.isfinite(mu) and 0 <= mu <= 1e6):
+        raise ValueError(f"run-config 'local-proximal-mu' must be in [0, 1e6] (0: off), got {mu}")
+    if mu and cfg["local-steps"] == 1:
+        raise ValueError(f"run-config 'local-proximal-mu' = {mu} needs 'local-steps' > 1 (one step starts at x)")
+    lr = cfg["local-lr"]
+    if not (math.isfinite(lr) and lr >= 0):
+        raise ValueError(f"run-config 'local-lr' must be finite and >= 0, got {lr}")
+    if cfg["local-optimizer"] == "lion":
+        if lr:
+            raise ValueError(
+                f"run-config 'local-lr' = {lr} applies to local-optimizer 'sgd' only "
+                "(local Lion steps move the copy by 'lr', the server's rate)"
+            )
+        return
+    if lr <= 0:
+        raise ValueError("run-config local-optimizer 'sgd' needs 'local-lr' > 0 (the local SGD learning rate), got 0.0")
+    if cfg["upload"] != "sign" or cfg["accumulate"] != 1:
+        raise ValueError(
+            "run-config local-optimizer 'sgd' uploads the 1-bit sign of one Lion step on the local SGD delta: "
+            f"it needs upload = 'sign' and accumulate = 1, got upload={cfg['upload']!r}, accumulate={cfg['accumulate']}"
+        )
+
+
+def _check_baseline_keys(cfg: dict[str, Any]) -> None:
+    """``proximal-mu`` (FedProx) and ``server-lr`` / ``server-tau`` (FedAdam, FedYogi): range and owner."""
+    mu = cfg["proximal-mu"]
+    if not (math.isfinite(mu) and mu > 0):
+        raise ValueError(f"run-config 'proximal-mu' must be finite and > 0 (0 is FedAvg), got {mu}")
+    if cfg["strategy"] != "fedprox" and mu != DEFAULTS["proximal-mu"]:
+        raise ValueError(f"run-config 'proximal-mu' applies to 'fedprox' only, not to {cfg['strategy']!r}")
+    for key in ("server-lr", "server-tau"):
+        if not (math.isfinite(cfg[key]) and cfg[key] > 0):
+            raise ValueError(f"run-config '{key}' must be finite and > 0, got {cfg[key]}")
+        if cfg["strategy"] not in FEDOPT and cfg[key] != DEFAULTS[key]:
+            raise ValueError(f"run-config '{key}' applies to {FEDOPT} only, not to {cfg['strategy']!r}")

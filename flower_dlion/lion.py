@@ -29,6 +29,7 @@ __all__ = [
     "apply_update_",
     "direction",
     "lion_step_",
+    "local_sgd",
     "local_step_",
     "local_steps_",
     "update_momentum_",
@@ -111,6 +112,22 @@ def local_steps_(
         total = delta if total is None else total.add_(delta)  # U += δₖ (δ₀'s buffer holds U)
     assert total is not None, "steps must be >= 1"
     return total
+
+
+def local_sgd(
+    x: torch.Tensor, gradient: Callable[[torch.Tensor, int], torch.Tensor], *, steps: int, lr: float
+) -> torch.Tensor:
+    """The model change of K plain SGD steps from ``x`` (FedSMU's local work); ``x`` is not changed.
+
+    ``x₀ = x``, ``xₖ₊₁ = xₖ − lr·gradient(xₖ, k)``; returns ``x − x_K = lr·Σₖ gradient(xₖ, k)``,
+    which the caller treats as one gradient: sign(β₁·m + (1−β₁)·(x − x_K)) is FedSMU's update.
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    x_local = x.clone()
+    for k in range(steps):
+        x_local.add_(gradient(x_local, k), alpha=-lr)
+    return x.sub(x_local)
 
 
 class Levels(NamedTuple):

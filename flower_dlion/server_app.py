@@ -12,10 +12,23 @@ from logging import INFO
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord
 from flwr.serverapp import Grid, ServerApp
-from flwr.serverapp.strategy import Bulyan, FedAvg, FedMedian, FedTrimmedAvg, Krum, MultiKrum, Result, Strategy
+from flwr.serverapp.strategy import (
+    Bulyan,
+    FedAdam,
+    FedAvg,
+    FedMedian,
+    FedProx,
+    FedTrimmedAvg,
+    FedYogi,
+    Krum,
+    MultiKrum,
+    Result,
+    Strategy,
+)
 from flwr.supercore import log
 
 from .checkpoint import check_resumable, load_checkpoint, save_checkpoint
@@ -62,9 +75,14 @@ def build_strategy(cfg: dict[str, Any], state_key: str = "") -> Strategy:
             beta1=beta1,
             beta2=beta2,
             local_steps=cfg["local-steps"],
+            local_optimizer=cfg["local-optimizer"],
+            local_lr=cfg["local-lr"] or None,
+            local_proximal_mu=cfg["local-proximal-mu"],
+            stale_momentum=cfg["stale-momentum"],
             accumulate=cfg["accumulate"],
             upload=cfg["upload"],
             broadcast_bits=cfg["broadcast-bits"],
+            server_momentum=cfg["server-momentum"],
             momentum_sync_every=cfg["momentum-sync-every"],
             momentum_sync_layers=sync_prefixes(cfg["momentum-sync-layers"]),
             init_seed=cfg["seed"] if cfg["init"] == "seed" else None,  # x₀ = Net() after torch.manual_seed(seed)
@@ -90,7 +108,13 @@ def build_strategy(cfg: dict[str, Any], state_key: str = "") -> Strategy:
 
 
 def fedavg_family(name: str, cfg: dict[str, Any]) -> Strategy:
-    """Flower's FedAvg, or one of its robust aggregators, told what it needs to know about the attackers.
+    """Flower's FedAvg, FedProx, FedAdam, FedYogi, or a robust aggregator told what it needs to know of attackers.
+
+    FedProx sends ``proximal-mu`` to the clients (their loss gains μ/2·‖w − x‖²). FedAdam and
+    FedYogi (Reddi et al., 2021) treat the mean client model change as a pseudo-gradient for a
+    server Adam / Yogi step with ``server-lr`` (η), ``beta1``, ``beta2`` and ``server-tau`` (τ);
+    their new model is cast back to the dtype the clients sent (Flower's step returns float64,
+    which would double every download).
 
     Krum, MultiKrum and Bulyan are given the number of Byzantine clients f = ⌊``byzantine-fraction``
     · N + ½⌋ of the N connected nodes (the attackers of the fault study: the standard assumption
@@ -106,6 +130,13 @@ def fedavg_family(name: str, cfg: dict[str, Any]) -> Strategy:
     fraction = cfg["byzantine-fraction"]
     if name == "fedavg":
         return FedAvg(**common)
+    if name == "fedprox":
+        return FedProx(proximal_mu=cfg["proximal-mu"], **common)
+    if name in ("fedadam", "fedyogi"):
+        base_opt = FedAdam if name == "fedadam" else FedYogi
+        return _same_dtype(base_opt)(
+            eta=cfg["server-lr"], beta_1=cfg["beta1"], beta_2=cfg["beta2"], tau=cfg["server-tau"], **common
+        )
     if name == "fedmedian":
         return FedMedian(**common)
     if name == "fedtrimmedavg":
@@ -124,6 +155,25 @@ def fedavg_family(name: str, cfg: dict[str, Any]) -> Strategy:
 
     KnowingTheAttackers.__name__ = base.__name__
     return KnowingTheAttackers(**common)
+
+
+def _same_dtype(base: type[FedAvg]) -> type[FedAvg]:
+    """``base`` whose aggregated model keeps the dtype of the arrays it was sent."""
+
+    class SameDtype(base):  # type: ignore[misc, valid-type]
+        def aggregate_train(
+            self, server_round: int, replies: Iterable[Message]
+        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+            dtypes = {k: a.dtype for k, a in (self.current_arrays or {}).items()}
+            arrays, metrics = super().aggregate_train(server_round, replies)
+            if arrays is not None:
+                arrays = ArrayRecord(
+                    {k: Array(np.asarray(a.numpy(), dtype=dtypes.get(k, a.numpy().dtype))) for k, a in arrays.items()}
+                )
+            return arrays, metrics
+
+    SameDtype.__name__ = base.__name__
+    return SameDtype
 
 
 def train_config(cfg: dict[str, Any]) -> ConfigRecord:

@@ -320,3 +320,31 @@ def test_robustness_table_groups_by_the_swept_key() -> None:
     table = robustness_table(records, "fail-fraction", ["a"], target=0.75)
     assert "| method | fail-fraction = 0 | fail-fraction = 0.3 |" in table
     assert "| a | 0.850 ± 0.071; ≥ 0.75 at round 10, 2.0 MB/client [2/2] | 0.700; never ≥ 0.75 [0/1] |" in table
+
+
+def test_convergence_table_and_the_seed_spread_target() -> None:
+    # Prepare: a reference with 2 seeds whose best accuracies are 0.9 and 0.8 (mean 0.85, std 0.0707)
+    def record(label: str, seed: int, accs: list[float]) -> dict:
+        evals = [
+            {"round": i, "accuracy": a, "cum_bytes_up": i * 1e6, "cum_bytes_down": i * 1e6} for i, a in enumerate(accs)
+        ]
+        summary = {"final_accuracy": accs[-1], "best_accuracy": max(accs), "rounds": len(accs) - 1}
+        return {"label": label, "partition": "iid", "num_clients": 2, "seed": seed, "evals": evals, "summary": summary}
+
+    records = [
+        record("fedavg", 0, [0.1, 0.5, 0.9, 0.85]),
+        record("fedavg", 1, [0.1, 0.8, 0.7, 0.75]),
+        record("ef", 0, [0.1, 0.79, 0.8]),
+    ]
+    study = {"strategies": ["fedavg", "ef"], "partitions": ["iid"]}
+    # Execute
+    conv = report.convergence_table(records, study, last=1)
+    targets = report.target_table(records, study, "fedavg", fixed=(), metric="best_accuracy")
+    # Assert: best 0.9 (round 2) and 0.8 (round 1); the last round added nothing to either
+    assert "| fedavg | 3 | 0.850 ± 0.071 | 2, 1 | 0.000 ± 0.000 |" in conv
+    assert "| ef | 2 | 0.800 | 2 | 0.010 |" in conv
+    # targets: the mean best 0.85 and its mean − 1 std 0.779; MB per client (2 clients, 2 MB a round) = round.
+    # 0.85: only seed 0, at round 2; 0.779: seed 0 at round 2, seed 1 at round 1 (1.5); ef at round 1
+    assert "to 0.850 (fedavg) | MB / client to 0.779 (its mean − 1 std) |" in targets
+    assert "| fedavg | 2.00 [1/2] | 1.50 [2/2] |" in targets
+    assert "| ef | – [0/1] | 1.00 [1/1, 1.5×] |" in targets

@@ -16,10 +16,14 @@ One ``train`` message, in order (:meth:`DLionClient.train`):
 
 1. bring the replica x to the server's version (:func:`replica.apply_message`: the full model,
    x₀ from a seed, or the Δs it missed, ``x ← x − lr·(Δ + wd·x)`` as the server applied them);
+   age the momentum of a node that missed rounds (``stale-momentum``: keep, decay, reset);
    adopt the synced momentum if the server sent one (refused unless finite and within ±10⁶);
 2. K = ``local-steps`` Lion steps (``lion.local_steps_``) on a copy of x, each on the mean
    gradient of ``accumulate`` batches taken from ``batches``; U = Σₖ δₖ (with K = 1 this is
-   plain D-Lion: δ = sign(β₁·m + (1−β₁)·g), then m ← β₂·m + (1−β₂)·g);
+   plain D-Lion: δ = sign(β₁·m + (1−β₁)·g), then m ← β₂·m + (1−β₂)·g). With
+   ``local-optimizer = "sgd"`` (FedSMU's client) K SGD steps at ``local-lr`` instead
+   (``lion.local_sgd``), and one Lion step on their model change g = x − x_K. With
+   ``local-proximal-mu`` μ each local gradient gains μ·(x_local − x) (drift control);
 3. encode U for the wire (the strategy's ``upload``): ``sign`` — 1 bit per parameter (exact
    zeros become a seeded coin flip; with K = 1, steps 2 and 3 are one fused pass,
    ``codec.pack_local_step_``); ``sum`` — the integer U; ``ef-sign`` — a scaled sign of U + e
@@ -70,6 +74,7 @@ __all__ = ["ClientSettings", "ClientStateError", "DLionClient", "Tamper", "resol
 
 logger = logging.getLogger("flower_dlion")
 
+PROXIMAL_LIMIT = 1e6  # a server asking for a larger local proximal weight is refused
 MOMENTUM_LIMIT = 1e6  # a synced momentum beyond this is no average of gradients a float32 model trains with
 AUTO_FILES_FROM = 1 << 20  # trainable values from which the state goes to files by default (docs/PERFORMANCE.md §3)
 
@@ -254,7 +259,10 @@ class DLionClient:
         store = self._store(context, round_config, spec.d, server_round)
 
         # 1. the replica at the server's version, and the synced momentum
-        state = apply_message(msg.content, store.load(spec.d, device), spec, device, context.node_id, self._seed_fn)
+        loaded = store.load(spec.d, device)
+        before = None if loaded is None else loaded.version  # apply_message moves it in place
+        state = apply_message(msg.content, loaded, spec, device, context.node_id, self._seed_fn)
+        _age_momentum(state, before, round_config, context.node_id)
         sync = bool(round_config.get("momentum-sync", 0))
         mask = None
         if sync or MOMENTUM in msg.content:  # parameters whose momentum is synchronized
@@ -398,14 +406,27 @@ def _upload(
     beta1, beta2 = float(round_config["beta1"]), float(round_config["beta2"])
     if upload not in UPLOADS:  # before the local steps: the state stays as it was
         raise ClientStateError(f"unknown upload {upload!r}")
+    gradient = work.gradient
+    mu = float(round_config.get("local-proximal-mu", 0.0))
+    if mu:  # drift control: each local gradient gains μ·(x_local − x), x the round's replica
+        if not (math.isfinite(mu) and 0 < mu <= PROXIMAL_LIMIT):
+            raise ClientStateError(f"local-proximal-mu {mu} outside (0, {PROXIMAL_LIMIT:g}]")
+        x0 = state.x.clone()
+        gradient = lambda x, k: work.gradient(x, k).add_(x - x0, alpha=mu)  # noqa: E731
+    optimizer = str(round_config.get("local-optimizer", "lion"))
+    if optimizer == "sgd":  # FedSMU's client: one Lion step on g = x − x_K of K local SGD steps
+        g = lion.local_sgd(state.x, gradient, steps=steps, lr=float(round_config["local-lr"]))
+        steps, gradient = 1, lambda x, k: g
+    elif optimizer != "lion":
+        raise ClientStateError(f"unknown local optimizer {optimizer!r}")
     if steps == 1 and upload == "sign" and tamper is None:  # one fused pass over m and g
-        packed = codec.pack_local_step_(state.m, work.gradient(state.x, 0), beta1, beta2, gen, flips=flips)
+        packed = codec.pack_local_step_(state.m, gradient(state.x, 0), beta1, beta2, gen, flips=flips)
         return {"signs": bits_array(packed, d, SIGN_STYPE)}
     x_local = state.x if steps == 1 else state.x.clone()  # K = 1 never moves x (see local_steps_)
     u = lion.local_steps_(
         x_local,
         state.m,
-        work.gradient,
+        gradient,
         steps=steps,
         lr=float(round_config.get("local-lr", 0.0)),
         weight_decay=float(round_config.get("local-weight-decay", 0.0)),
@@ -416,6 +437,20 @@ def _upload(
         u = tamper.upload(u, gen)
     arrays, state.error = UPLOADS[upload].encode(u, state.error, Shape(d, sizes, steps), gen, flips)
     return arrays
+
+
+def _age_momentum(state: ReplicaState, before: int | None, round_config: ConfigRecord, node_id: int) -> None:
+    """``stale-momentum``: after k missed rounds (versions beyond the one its upload made), m ← β₂ᵏ·m or 0."""
+    policy = str(round_config.get("stale-momentum", "keep"))
+    if policy not in ("keep", "decay", "reset"):
+        raise ClientStateError(f"node {node_id}: unknown stale-momentum {policy!r}")
+    missed = 0 if before is None else state.version - before - 1
+    if policy == "keep" or missed <= 0:
+        return
+    if policy == "decay":
+        state.m.mul_(float(round_config["beta2"]) ** missed)
+    else:
+        state.m.zero_()
 
 
 def _adopt_momentum(state: ReplicaState, record: ArrayRecord, mask: torch.Tensor | None, node_id: int) -> None:

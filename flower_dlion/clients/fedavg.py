@@ -5,6 +5,8 @@ Speaks Flower's own ``FedAvg`` messages: receives "arrays" (the global model) an
 the first k minibatches of each epoch), batch-size, seed, server-round),
 replies "arrays" (the local model) and "metrics" (num-examples, train-loss). The
 optimizer (``torch.optim.SGD``) starts fresh every round, as in McMahan et al. (2017).
+With FedProx's "proximal-mu" μ > 0 in the config, each batch's loss gains μ/2·‖w − x‖², x
+the model received (Li et al., 2020).
 
 Faults for studies: with ``byzantine-fraction`` the first k partitions send
 x + s·(−u) (``byzantine-mode = "flip"``) or x + s·‖u‖·ξ/‖ξ‖ with Gaussian ξ
@@ -40,6 +42,8 @@ def train(msg: Message, context: Context) -> Message:
     )
     rng = np.random.default_rng([int(round_config["seed"]), pid, int(round_config["server-round"])])
     batch_size = int(round_config["batch-size"])
+    mu = float(round_config.get("proximal-mu", 0.0))
+    anchor = [p.detach().clone() for p in model.parameters()] if mu > 0 else []
     model.train()
     total, seen = 0.0, 0
     max_batches = int(round_config.get("local-batches", 0))  # 0: whole epochs
@@ -49,10 +53,13 @@ def train(msg: Message, context: Context) -> Message:
         for start in starts[:max_batches] if max_batches else starts:
             idx = order[start : start + batch_size]
             loss = nn.functional.cross_entropy(model(images[idx]), labels[idx])
+            total += loss.item() * idx.numel()
+            if mu > 0:
+                pull = sum((p - p0).pow(2).sum() for p, p0 in zip(model.parameters(), anchor, strict=True))
+                loss = loss + mu / 2 * pull
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-            total += loss.item() * idx.numel()
             seen += idx.numel()
     state = model.state_dict()
     if byzantine(settings, *partition_id(context)):  # a fault study's attacker

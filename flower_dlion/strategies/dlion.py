@@ -72,6 +72,7 @@ class ServerState:
     broadcasts: deque[_Broadcast] = field(default_factory=deque)  # the last Δs, encoded, for lagging clients
     version_of: dict[int, int] = field(default_factory=dict)  # partition → its replica's version (last valid reply)
     server_error: torch.Tensor | None = None  # error feedback of a quantized broadcast
+    outer_momentum: torch.Tensor | None = None  # M of the server's Nesterov momentum on Δ (server_momentum > 0)
     synced_momentum: torch.Tensor | None = None  # the median of the last sync round's momenta, to send next
     seed_failed: set[int] = field(default_factory=set)  # partitions whose x₀ from the seed did not match
     x0_checksum: int = 0  # of x₀ and the rest of the model, for clients that build x₀ from the seed
@@ -85,6 +86,7 @@ class ServerState:
             "broadcasts": [vars(b).copy() for b in self.broadcasts],
             "version_of": dict(self.version_of),
             "server_error": None if self.server_error is None else self.server_error.clone(),
+            "outer_momentum": None if self.outer_momentum is None else self.outer_momentum.clone(),
             "synced_momentum": None if self.synced_momentum is None else self.synced_momentum.clone(),
             "seed_failed": sorted(self.seed_failed),
             "x0_checksum": self.x0_checksum,
@@ -100,6 +102,7 @@ class ServerState:
             broadcasts=deque(_Broadcast(**b) for b in state["broadcasts"]),
             version_of={int(p): int(v) for p, v in state["version_of"].items()},
             server_error=state["server_error"],
+            outer_momentum=state.get("outer_momentum"),  # absent from checkpoints before it existed
             synced_momentum=state["synced_momentum"],
             seed_failed=set(state["seed_failed"]),
             x0_checksum=int(state["x0_checksum"]),
@@ -202,7 +205,22 @@ class DistributedLion(ServerModelStrategy):
         ``None``: the size of the full model for a chain (a longer chain is never cheaper than
         the model), 8 times it for the anchored downlink.
     local_steps : int (default: 1)
-        K, the Lion steps each client takes on its own copy of x per round.
+        K, the local steps each client takes on its own copy of x per round.
+    local_optimizer : {"lion", "sgd"} (default: "lion")
+        "lion": the K local steps are Lion steps at ``lr`` (FedLion's client). "sgd": K plain
+        SGD steps at ``local_lr`` give the client's model change g = x − x_K, and the client
+        uploads the sign of one Lion step on it, δ = sign(β₁·m + (1−β₁)·g), m ← β₂·m + (1−β₂)·g
+        (FedSMU's client, Lu et al., ICML 2025); the server then counts one step per round
+        (``x ← x − lr·(Δ + wd·x)``). Needs ``upload="sign"`` and ``accumulate=1``.
+    local_lr : float | None (default: None)
+        The local SGD learning rate of ``local_optimizer="sgd"`` (required there, refused with "lion").
+    stale_momentum : {"keep", "decay", "reset"} (default: "keep")
+        What a client that missed k rounds does with its Lion momentum when it is sampled again:
+        keeps it, decays it as k rounds without gradients would (m ← β₂ᵏ·m), or resets it to 0.
+    local_proximal_mu : float (default: 0.0)
+        Drift control for skewed data: each local step's gradient gains μ·(x_local − x), pulling
+        the client's copy back toward the round's x (FedProx's term, inside the local Lion or SGD
+        steps). Needs ``local_steps`` > 1; 0 turns it off.
     accumulate : int (default: 1)
         Minibatches averaged into each local gradient.
     upload : {"sign", "sum", "ef-sign"} (default: "sign")
@@ -211,6 +229,12 @@ class DistributedLion(ServerModelStrategy):
     broadcast_bits : int (default: 0)
         0: broadcast Δ exactly as levels. p ≥ 1: quantize Δ + e to 2 (p = 1, scaled sign)
         or 2ᵖ − 1 levels with one scale per tensor, keeping the error e on the server.
+    server_momentum : float (default: 0.0)
+        μ of a Nesterov momentum on the aggregated update before it is quantized for the
+        broadcast (DiLoCo's outer optimizer, Douillard et al., 2023): ``M ← μ·M + Δ``, and the
+        server broadcasts and applies ``Δ + μ·M``, quantized with error feedback. In a steady
+        direction the step grows toward 1/(1−μ) times Δ: lower ``lr`` to match. 0 turns it off;
+        needs ``broadcast_bits`` ≥ 1 (a momentum step has no exact low-bit form).
     momentum_sync_every : int (default: 0)
         Every R rounds, clients also upload their momentum (float32) and the next round
         sends them the coordinate-wise median; 0 never does.
@@ -277,9 +301,14 @@ class DistributedLion(ServerModelStrategy):
         min_replies: int = 1,
         max_history_bytes: int | None = None,
         local_steps: int = 1,
+        local_optimizer: Literal["lion", "sgd"] = "lion",
+        local_lr: float | None = None,
+        local_proximal_mu: float = 0.0,
+        stale_momentum: Literal["keep", "decay", "reset"] = "keep",
         accumulate: int = 1,
         upload: Literal["sign", "sum", "ef-sign"] = "sign",
         broadcast_bits: int = 0,
+        server_momentum: float = 0.0,
         momentum_sync_every: int = 0,
         momentum_sync_layers: Sequence[str] = (),
         buffer_sync_every: int = 10,
@@ -300,6 +329,34 @@ class DistributedLion(ServerModelStrategy):
         for name, value in (("momentum_sync_every", momentum_sync_every), ("buffer_sync_every", buffer_sync_every)):
             if value < 0:
                 raise ValueError(f"{name} must be >= 0 (0: never), got {value}")
+        if local_optimizer not in ("lion", "sgd"):
+            raise ValueError(f"local_optimizer must be 'lion' or 'sgd', got {local_optimizer!r}")
+        if local_optimizer == "lion" and local_lr is not None:
+            raise ValueError(f"local_lr={local_lr} applies to local_optimizer='sgd' only (local Lion steps use lr)")
+        if local_optimizer == "sgd":
+            if local_lr is None or not (math.isfinite(local_lr) and local_lr > 0):
+                raise ValueError(f"local_optimizer='sgd' needs local_lr finite and > 0, got {local_lr}")
+            if upload != "sign" or accumulate != 1:
+                raise ValueError(
+                    "local_optimizer='sgd' uploads the sign of one Lion step on the local SGD delta: it needs "
+                    f"upload='sign' and accumulate=1, got upload={upload!r}, accumulate={accumulate}"
+                )
+        lion_steps = 1 if local_optimizer == "sgd" else local_steps  # Lion steps a round counts
+        if stale_momentum not in ("keep", "decay", "reset"):
+            raise ValueError(f"stale_momentum must be 'keep', 'decay' or 'reset', got {stale_momentum!r}")
+        if not (math.isfinite(local_proximal_mu) and local_proximal_mu >= 0):
+            raise ValueError(f"local_proximal_mu must be finite and >= 0 (0: off), got {local_proximal_mu}")
+        if local_proximal_mu and local_steps == 1:
+            raise ValueError(
+                f"local_proximal_mu={local_proximal_mu} needs local_steps > 1: one step starts and ends at x"
+            )
+        if not (math.isfinite(server_momentum) and 0.0 <= server_momentum < 1.0):
+            raise ValueError(f"server_momentum must be in [0, 1) (0: off), got {server_momentum}")
+        if server_momentum and not broadcast_bits:
+            raise ValueError(
+                f"server_momentum={server_momentum} needs broadcast_bits >= 1: the momentum step Δ + μ·M "
+                "has no exact low-bit form, so it is quantized with error feedback"
+            )
         if upload == "ef-sign" and aggregation == "mean" and broadcast_bits == 0:
             raise ValueError("upload='ef-sign' with aggregation='mean' needs broadcast_bits >= 1 (no exact form)")
         super().__init__(
@@ -316,9 +373,9 @@ class DistributedLion(ServerModelStrategy):
             weight_decay=weight_decay,
             betas={"beta1": beta1, "beta2": beta2},
         )
-        if lr * weight_decay * local_steps >= 1.0:
+        if lr * weight_decay * lion_steps >= 1.0:
             raise ValueError(
-                f"lr * weight_decay * local_steps must be < 1 (got {lr * weight_decay * local_steps}): "
+                f"lr * weight_decay * local_steps must be < 1 (got {lr * weight_decay * lion_steps}): "
                 "x would flip sign every round"
             )
         if max_history_bytes is not None and max_history_bytes < 0:
@@ -331,7 +388,7 @@ class DistributedLion(ServerModelStrategy):
                 f"downlink='anchored' needs integer Δs: aggregation='vote' and broadcast_bits=0 "
                 f"(got aggregation={aggregation!r}, broadcast_bits={broadcast_bits}); use 'chain' or 'auto'"
             )
-        if not 1 <= anchor_every * local_steps <= 1 << 20:
+        if not 1 <= anchor_every * lion_steps <= 1 << 20:
             raise ValueError(
                 f"anchor_every must be >= 1 with anchor_every * local_steps <= 2**20 (the counts' range), "
                 f"got {anchor_every} (local_steps={local_steps})"
@@ -343,10 +400,16 @@ class DistributedLion(ServerModelStrategy):
         self.beta2 = beta2
         self.max_history_bytes = max_history_bytes
         self.local_steps = local_steps
+        self.local_optimizer = local_optimizer
+        self.local_lr = local_lr
+        self.local_proximal_mu = local_proximal_mu
+        self.stale_momentum = stale_momentum
+        self._lion_steps = lion_steps  # K for local Lion steps, 1 for the sgd client: Δ's scale and decay
         self.accumulate = accumulate
         self.upload = upload
         self._kind = kind
         self.broadcast_bits = broadcast_bits
+        self.server_momentum = server_momentum
         self.momentum_sync_every = momentum_sync_every
         self.momentum_sync_layers = tuple(momentum_sync_layers)
         self.buffer_sync_every = buffer_sync_every
@@ -371,7 +434,7 @@ class DistributedLion(ServerModelStrategy):
     @property
     def _shape(self) -> Shape:
         """The model's size and K, as the upload kinds take them."""
-        return Shape(self.num_parameters, self.sizes, self.local_steps)
+        return Shape(self.num_parameters, self.sizes, self._lion_steps)
 
     @property
     def version(self) -> int:
@@ -393,16 +456,18 @@ class DistributedLion(ServerModelStrategy):
         if self.local_steps > 1 or self.accumulate > 1 or self.upload != "sign":
             log(
                 INFO,
-                "\t│\t└──local_steps=%d | accumulate=%d | upload=%s",
+                "\t│\t└──local_steps=%d (%s) | accumulate=%d | upload=%s",
                 self.local_steps,
+                self.local_optimizer,
                 self.accumulate,
                 self.upload,
             )
         if self.broadcast_bits or self.momentum_sync_every or self.init_seed is not None:
             log(
                 INFO,
-                "\t│\t└──broadcast_bits=%d | momentum_sync_every=%d (layers %s) | init_seed=%s",
+                "\t│\t└──broadcast_bits=%d | server_momentum=%g | momentum_sync_every=%d (layers %s) | init_seed=%s",
                 self.broadcast_bits,
+                self.server_momentum,
                 self.momentum_sync_every,
                 ",".join(self.momentum_sync_layers) or "all",
                 self.init_seed,
@@ -419,7 +484,7 @@ class DistributedLion(ServerModelStrategy):
         self._mask = layer_mask(self._layout, self.momentum_sync_layers)
         self.state.x0_checksum = state_checksum(self.x, self._rest)
         if self.anchored:
-            k, d = self.local_steps, self.num_parameters
+            k, d = self._lion_steps, self.num_parameters
             memory = 32 * d if self.max_history_bytes is None else self.max_history_bytes
             self.state.anchored = AnchoredHistory(
                 self.x.clone(), 1.0 - self.lr * self.weight_decay * k, self.lr * k, self.anchor_every,
@@ -510,10 +575,18 @@ class DistributedLion(ServerModelStrategy):
             {"server-round": server_round, "version": self.state.version, "seed": self.sample_seed}
         )
         round_config.update({"beta1": self.beta1, "beta2": self.beta2})
-        if self.local_steps > 1:
+        if self.local_optimizer == "sgd":
+            round_config.update(
+                {"local-steps": self.local_steps, "local-optimizer": "sgd", "local-lr": float(self.local_lr or 0.0)}
+            )
+        elif self.local_steps > 1:
             round_config.update(
                 {"local-steps": self.local_steps, "local-lr": self.lr, "local-weight-decay": self.weight_decay}
             )
+        if self.local_proximal_mu:
+            round_config["local-proximal-mu"] = self.local_proximal_mu
+        if self.stale_momentum != "keep":
+            round_config["stale-momentum"] = self.stale_momentum
         if self.accumulate > 1:
             round_config["accumulate"] = self.accumulate
         if self.upload != "sign":
@@ -741,7 +814,7 @@ class DistributedLion(ServerModelStrategy):
         (:func:`codec.aggregate_packed`: no d-sized integer array); the other forms from S
         (Σ|S| is 0 for the float S of scaled signs, whose agreement is not reported).
         """
-        k = self.local_steps
+        k = self._lion_steps
         if self.upload == "sign" and self.broadcast_bits == 0:  # the levels of sign(S) or S/n; Δ is K times them
             update = codec.aggregate_packed([r.upload.data for r in replies], self.num_parameters, self.aggregation)
             return update, ((float(k),) * len(self._layout) if k > 1 else None)
@@ -766,7 +839,7 @@ class DistributedLion(ServerModelStrategy):
 
     def _update(self, votes: torch.Tensor, n: int) -> tuple[lion.Levels, tuple[float, ...] | None]:
         """Δ (in local steps) as levels and per-tensor scales, from S of n valid replies."""
-        k, num_tensors = self.local_steps, len(self._layout)
+        k, num_tensors = self._lion_steps, len(self._layout)
         if self.broadcast_bits == 0:  # exact: Δ = K·sign(S) or S/n as levels
             if votes.dtype.is_floating_point:  # weighted vote of scaled signs
                 levels = lion.Levels((torch.sign(votes) + 1).to(torch.int32), 3)
@@ -779,6 +852,11 @@ class DistributedLion(ServerModelStrategy):
             target = votes.float() * (k / n)
         else:
             target = votes.float() / n
+        if self.server_momentum:  # Nesterov: M ← μ·M + Δ, step Δ + μ·M
+            if self.state.outer_momentum is None:
+                self.state.outer_momentum = torch.zeros_like(target)
+            momentum = self.state.outer_momentum.mul_(self.server_momentum).add_(target)
+            target = target.add_(momentum, alpha=self.server_momentum)
         if self.state.server_error is None:
             self.state.server_error = torch.zeros_like(target)
         num_levels = 2 if self.broadcast_bits == 1 else 2**self.broadcast_bits - 1
@@ -858,13 +936,13 @@ class DistributedLion(ServerModelStrategy):
             self.x.copy_(history.apply(signs, update.num_levels, update.encoded))
             self.state.version += 1
         else:
-            weight_decay = self.weight_decay * self.local_steps  # K local steps' worth of decay
+            weight_decay = self.weight_decay * self._lion_steps  # K local Lion steps' worth of decay
             s = None if scales is None else torch.tensor(scales)
             quantizers.apply_delta_(self.x, update.levels, update.num_levels, s, self.sizes, self.lr, weight_decay)
             self.state.version += 1
             broadcast = _Broadcast(self.state.version, update.num_levels, self.lr, weight_decay, update.encoded, scales)
             self._remember(broadcast)
-        agreement = update.sum_abs / (d * n * self._kind.agreement_scale(self.local_steps))
+        agreement = update.sum_abs / (d * n * self._kind.agreement_scale(self._lion_steps))
         if rnd.momentum_sync:
             self.state.synced_momentum = median_momentum([r.momentum for r in valid if r.momentum is not None])
         if rnd.buffer_sync:

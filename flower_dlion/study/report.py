@@ -33,6 +33,7 @@ from .sweep import load_study
 
 __all__ = [
     "bytes_to_target",
+    "convergence_table",
     "load_cells",
     "main",
     "mean_std",
@@ -129,17 +130,53 @@ def results_tables(records: list[dict[str, Any]], study: dict[str, Any]) -> str:
 
 
 def tuning_table(records: list[dict[str, Any]], swept: str = "lr") -> str:
-    """One row per strategy: the validation accuracy at each value of the swept key; the best in bold."""
-    lines = ["| strategy | " + f"{swept}: validation accuracy (best in bold) |", "|---|---|"]
+    """One row per strategy: the validation accuracy at each value of its swept key; the best in bold.
+
+    The swept key is the one whose value differs between a strategy's cells (``swept`` if none does).
+    """
+    lines = ["| strategy | swept key: validation accuracy (best in bold) |", "|---|---|"]
     for s, group in _group(records, "label").items():
-        group = sorted(group, key=lambda g: g["run_config"][swept])
+        varying = sorted(k for k in group[0]["run_config"] if len({repr(g["run_config"].get(k)) for g in group}) > 1)
+        key = varying[0] if varying else swept
+        group = sorted(group, key=lambda g: g["run_config"][key])
         best = max(g["summary"]["final_accuracy"] for g in group)
         cells = []
         for g in group:
-            text = f"{g['run_config'][swept]:g}: {g['summary']['final_accuracy']:.4f}"
+            text = f"{g['run_config'][key]:g}: {g['summary']['final_accuracy']:.4f}"
             cells.append(f"**{text}**" if g["summary"]["final_accuracy"] == best else text)
-        lines.append(f"| {s[0]} | " + ", ".join(cells) + " |")
+        lines.append(f"| {s[0]} | {key} " + ", ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def convergence_table(records: list[dict[str, Any]], study: dict[str, Any], last: int = 10) -> str:
+    """Per partition and method: best accuracy, the round it came in, and what the last rounds added.
+
+    "gain in the last ``last`` rounds" is the best accuracy minus the best before those rounds
+    (mean over seeds): close to 0 means the run had stopped improving.
+    """
+    lines = []
+    for part in _order((r["partition"] for r in records), study["partitions"]):
+        lines.append(f"**{part}**\n")
+        lines.append(f"| method | rounds | best accuracy | round of best (per seed) | gain in the last {last} rounds |")
+        lines.append("|---|---|---|---|---|")
+        for s in _order((r["label"] for r in records), study["strategies"]):
+            group = sorted((r for r in records if r["label"] == s and r["partition"] == part), key=lambda r: r["seed"])
+            if not group:
+                continue
+            best, at, gain = [], [], []
+            for r in group:
+                ev = [e for e in r["evals"] if e["accuracy"] is not None and e["round"] > 0]
+                top = max(ev, key=lambda e: e["accuracy"])
+                cut = r["summary"]["rounds"] - last
+                before = [e["accuracy"] for e in ev if e["round"] <= cut]
+                best.append(top["accuracy"])
+                at.append(str(top["round"]))
+                if before:
+                    gain.append(top["accuracy"] - max(before))
+            rounds = r["summary"]["rounds"]
+            lines.append(f"| {s} | {rounds} | {mean_std(best)} | {', '.join(at)} | {mean_std(gain) if gain else '–'} |")
+        lines.append("")
+    return "\n".join(lines)
 
 
 def bytes_to_target(record: dict[str, Any], target: float) -> float | None:
@@ -151,9 +188,16 @@ def bytes_to_target(record: dict[str, Any], target: float) -> float | None:
 
 
 def target_table(
-    records: list[dict[str, Any]], study: dict[str, Any], reference: str, fixed: Sequence[float] = (0.75, 0.8)
+    records: list[dict[str, Any]],
+    study: dict[str, Any],
+    reference: str,
+    fixed: Sequence[float] = (0.75, 0.8),
+    metric: str = "final_accuracy",
 ) -> str:
-    """Per partition: MB per client to reach the reference's mean final accuracy and fixed targets.
+    """Per partition: MB per client to reach the reference's mean ``metric`` (final or best accuracy) and fixed targets.
+
+    With several reference seeds, its mean minus one standard deviation (the low end of its
+    seed spread) is a target too.
 
     A method's entry is the mean over the seeds that reached the target, with how many did,
     and the reference's bytes divided by it (× fewer bytes than the reference).
@@ -164,11 +208,16 @@ def target_table(
         ref = [r for r in records if r["label"] == reference and r["partition"] == part]
         if not ref:
             continue
-        ref_acc = statistics.mean(r["summary"]["final_accuracy"] for r in ref)
-        targets = [ref_acc, *[t for t in fixed if abs(t - ref_acc) > 0.005]]
-        ref_final = mean_std([r["summary"]["final_accuracy"] for r in ref])
-        lines.append(f"**{part}** ({reference} final accuracy {ref_final})\n")
-        heads = [f"to {t:.3f}" + (f" ({reference})" if i == 0 else "") for i, t in enumerate(targets)]
+        ref_values = [r["summary"][metric] for r in ref]
+        ref_acc = statistics.mean(ref_values)
+        sd = statistics.stdev(ref_values) if len(ref_values) > 1 else 0.0
+        spread = [ref_acc - sd] if sd > 0.0005 else []  # the low end of its seed spread
+        targets = [ref_acc, *spread, *[t for t in fixed if abs(t - ref_acc) > 0.005]]
+        ref_final = mean_std([r["summary"][metric] for r in ref])
+        what = metric.replace("_", " ")
+        lines.append(f"**{part}** ({reference} {what} {ref_final})\n")
+        names = [f" ({reference})", " (its mean − 1 std)" if spread else ""]
+        heads = [f"to {t:.3f}" + (names[i] if i < 2 else "") for i, t in enumerate(targets)]
         lines.append("| method | " + " | ".join(f"MB / client {h}" for h in heads) + " |")
         lines.append("|---|" + "---|" * len(targets))
         ref_mb = {}
@@ -236,6 +285,9 @@ def write_report(
     baselines: Path | None = None,
     baseline_labels: Sequence[str] = (),
     reference: str | None = None,
+    reference_metric: str = "final_accuracy",
+    targets: Sequence[float] = (0.75, 0.8),
+    convergence: bool = False,
     section: str = "",
 ) -> str:
     """Generate tables and plots for a study; write them into ``out``; return the generated text."""
@@ -274,12 +326,15 @@ def write_report(
         + ").\n",
         results_tables(extra + records, study["study"]),
     ]
+    if convergence:
+        parts.append("### Convergence: the best accuracy, when it came, and what the last 10 rounds added\n")
+        parts.append(convergence_table(extra + records, study["study"]))
     if reference is not None:
         parts.append(
             "### Bytes per client to reach a target accuracy (mean over the seeds that reached it "
             f"[reached/run, × fewer bytes than {reference}])\n"
         )
-        parts.append(target_table(extra + records, study["study"], reference))
+        parts.append(target_table(extra + records, study["study"], reference, targets, reference_metric))
     for part in _order((r["partition"] for r in records), study["study"]["partitions"]):
         path = figures / f"{study_file.stem}-{part}.png"
         plot_partition(extra + records, study["study"], part, path)
@@ -331,6 +386,14 @@ def main(argv: list[str] | None = None) -> int:
         "--baseline-labels", default="", help="comma-separated labels of --baselines to show (default: all)"
     )
     parser.add_argument("--reference", help="label whose final accuracy is the bytes-to-target table's target")
+    parser.add_argument(
+        "--reference-metric",
+        choices=("final", "best"),
+        default="final",
+        help="the reference's accuracy that is the target: its mean final (default) or mean best accuracy",
+    )
+    parser.add_argument("--targets", default="0.75,0.8", help="fixed target accuracies (comma-separated)")
+    parser.add_argument("--convergence", action="store_true", help="add the best-accuracy / round-of-best table")
     parser.add_argument("--section", default="", help="name of the generated section (its own markers)")
     args = parser.parse_args(argv)
     command = "python -m flower_dlion.study.report " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -343,6 +406,9 @@ def main(argv: list[str] | None = None) -> int:
         baselines=args.baselines,
         baseline_labels=[label for label in args.baseline_labels.split(",") if label],
         reference=args.reference,
+        reference_metric=f"{args.reference_metric}_accuracy",
+        targets=[float(t) for t in args.targets.split(",") if t],
+        convergence=args.convergence,
         section=args.section,
     )
     print(f"[report] wrote {args.out} and figures in {args.figures}")
