@@ -226,6 +226,8 @@ def target_table(
             ref_mb[t] = statistics.mean(hits) / 1e6 if hits else None
         for s in strategies:
             group = [r for r in records if r["label"] == s and r["partition"] == part]
+            if not group:
+                continue
             row = []
             for t in targets:
                 hits = [b for b in (bytes_to_target(r, t) for r in group) if b is not None]
