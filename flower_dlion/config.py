@@ -25,6 +25,8 @@ DEFAULTS: dict[str, Any] = {
     "num-server-rounds": 200,
     "strategy": "dlion-vote",
     "lr": 0.002,
+    "lr-schedule": "constant",
+    "lr-final": 0.0,
     "weight-decay": 0.1,
     "beta1": 0.9,
     "beta2": 0.99,
@@ -90,6 +92,7 @@ _CHOICES = {
     "upload": ("sign", "sum", "ef-sign"),
     "local-optimizer": ("lion", "sgd"),
     "stale-momentum": ("keep", "decay", "reset"),
+    "lr-schedule": ("constant", "cosine"),
     "init": ("full", "seed"),
     "downlink": ("auto", "anchored", "chain"),
     "byzantine-mode": BYZANTINE_MODES,
@@ -234,6 +237,7 @@ def read_config(run_config: Mapping[str, Any] | None) -> dict[str, Any]:
             "run-config 'server-momentum' needs 'broadcast-bits' >= 1: the momentum step is quantized for the "
             f"broadcast, got server-momentum={cfg['server-momentum']}, broadcast-bits=0"
         )
+    _check_lr_schedule(cfg)
     _check_local_optimizer(cfg)
     _check_baseline_keys(cfg)
     if cfg["upload"] == "ef-sign" and cfg["strategy"] == "dlion-mean" and cfg["broadcast-bits"] == 0:
@@ -242,6 +246,27 @@ def read_config(run_config: Mapping[str, Any] | None) -> dict[str, Any]:
             "a mean of scaled signs has no exact low-bit form"
         )
     return cfg
+
+
+def _check_lr_schedule(cfg: dict[str, Any]) -> None:
+    """``lr-schedule`` = "cosine" decays ``lr`` to ``lr-final`` × ``lr`` over the run (D-Lion and FedAvg family)."""
+    final = cfg["lr-final"]
+    if not 0.0 <= final <= 1.0:
+        raise ValueError(f"run-config 'lr-final' must be in [0, 1] (a factor of 'lr'), got {final}")
+    if cfg["lr-schedule"] == "constant":
+        if final:
+            raise ValueError(f"run-config 'lr-final' = {final} applies to lr-schedule 'cosine' only")
+        return
+    if cfg["strategy"] not in (*DLION_STRATEGIES, *FEDAVG_FAMILY):
+        raise ValueError(
+            f"run-config lr-schedule 'cosine' applies to {(*DLION_STRATEGIES, *FEDAVG_FAMILY)}, "
+            f"not to {cfg['strategy']!r}"
+        )
+    if cfg["downlink"] == "anchored":
+        raise ValueError(
+            "run-config downlink='anchored' needs a constant learning rate (x = γ·xₐ − η·C), got lr-schedule "
+            "'cosine'; use 'auto' or 'chain'"
+        )
 
 
 def _check_local_optimizer(cfg: dict[str, Any]) -> None:

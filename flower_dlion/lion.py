@@ -17,6 +17,7 @@ Algorithms", 2023 (Lion).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Literal, NamedTuple
 
@@ -27,6 +28,7 @@ __all__ = [
     "aggregate",
     "anchored",
     "apply_update_",
+    "cosine_decay",
     "direction",
     "lion_step_",
     "local_sgd",
@@ -165,3 +167,27 @@ def aggregate(votes: torch.Tensor, n: int, how: Aggregation, k: int = 1) -> Leve
             return Levels((s + n).floor_divide_(2), n + 1)  # S + n is even
         return Levels(s + n * k, 2 * n * k + 1)
     raise ValueError(f"aggregation must be 'vote' or 'mean', got {how!r}")
+
+
+def cosine_decay(num_rounds: int, final: float = 0.0) -> Callable[[int], float]:
+    """The factor of the learning rate in round t = 1, 2, … of a cosine decay over ``num_rounds``.
+
+    ``f(t) = final + (1 − final)·½·(1 + cos(π·min(t − 1, T)/T))`` with T = ``num_rounds``
+    (optax's ``cosine_decay_schedule`` counted from round 1): 1 in round 1, ``final`` from
+    round T + 1 on. Pass it as ``DistributedLion(lr=..., lr_schedule=cosine_decay(T, 0.1))``.
+
+    Raises
+    ------
+    ValueError
+        ``num_rounds`` < 1, or ``final`` outside [0, 1].
+
+    """
+    if num_rounds < 1:
+        raise ValueError(f"num_rounds must be >= 1, got {num_rounds}")
+    if not 0.0 <= final <= 1.0:
+        raise ValueError(f"final must be in [0, 1] (a factor of lr), got {final}")
+
+    def factor(t: int) -> float:
+        return final + (1.0 - final) * 0.5 * (1.0 + math.cos(math.pi * min(max(t - 1, 0), num_rounds) / num_rounds))
+
+    return factor

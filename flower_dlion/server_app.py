@@ -6,7 +6,7 @@ import dataclasses
 import json
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from logging import INFO
 from pathlib import Path
@@ -32,8 +32,9 @@ from flwr.serverapp.strategy import (
 from flwr.supercore import log
 
 from .checkpoint import check_resumable, load_checkpoint, save_checkpoint
-from .config import DLION_STRATEGIES, FEDAVG_FAMILY, read_config
+from .config import DLION_STRATEGIES, FEDAVG_FAMILY, FEDOPT, read_config
 from .data import load_fashion_mnist, to_tensor
+from .lion import cosine_decay
 from .metering import Exchange, MeteredGrid
 from .model import Net, evaluate
 from .protocol import sync_prefixes
@@ -71,6 +72,7 @@ def build_strategy(cfg: dict[str, Any], state_key: str = "") -> Strategy:
         return DistributedLion(
             aggregation="mean" if name == "dlion-mean" else "vote",
             lr=cfg["lr"],
+            lr_schedule=lr_schedule(cfg),
             weight_decay=cfg["weight-decay"],
             beta1=beta1,
             beta2=beta2,
@@ -107,9 +109,17 @@ def build_strategy(cfg: dict[str, Any], state_key: str = "") -> Strategy:
     raise ValueError(f"unknown strategy {name!r}")
 
 
+def lr_schedule(cfg: dict[str, Any]) -> Callable[[int], float] | None:
+    """The factor of ``lr`` per server round that run config ``lr-schedule`` names (None: constant)."""
+    if cfg["lr-schedule"] == "cosine":
+        return cosine_decay(cfg["num-server-rounds"], cfg["lr-final"])
+    return None
+
+
 def fedavg_family(name: str, cfg: dict[str, Any]) -> Strategy:
     """Flower's FedAvg, FedProx, FedAdam, FedYogi, or a robust aggregator told what it needs to know of attackers.
 
+    With ``lr-schedule`` the clients' SGD rate in round t is ``lr`` × the schedule's factor.
     FedProx sends ``proximal-mu`` to the clients (their loss gains μ/2·‖w − x‖²). FedAdam and
     FedYogi (Reddi et al., 2021) treat the mean client model change as a pseudo-gradient for a
     server Adam / Yogi step with ``server-lr`` (η), ``beta1``, ``beta2`` and ``server-tau`` (τ);
@@ -128,20 +138,26 @@ def fedavg_family(name: str, cfg: dict[str, Any]) -> Strategy:
         "min_available_nodes": cfg["min-available-nodes"],
     }
     fraction = cfg["byzantine-fraction"]
-    if name == "fedavg":
-        return FedAvg(**common)
-    if name == "fedprox":
-        return FedProx(proximal_mu=cfg["proximal-mu"], **common)
-    if name in ("fedadam", "fedyogi"):
-        base_opt = FedAdam if name == "fedadam" else FedYogi
-        return _same_dtype(base_opt)(
-            eta=cfg["server-lr"], beta_1=cfg["beta1"], beta_2=cfg["beta2"], tau=cfg["server-tau"], **common
-        )
-    if name == "fedmedian":
-        return FedMedian(**common)
-    if name == "fedtrimmedavg":
-        return FedTrimmedAvg(beta=max(0.1, fraction), **common)
-    base = {"krum": Krum, "multikrum": MultiKrum, "bulyan": Bulyan}[name]
+    kwargs: dict[str, Any] = {}
+    if name in ("fedavg", "fedprox", "fedmedian", "fedtrimmedavg"):
+        base: type[FedAvg] = {"fedavg": FedAvg, "fedprox": FedProx, "fedmedian": FedMedian}.get(name, FedTrimmedAvg)
+        if name == "fedprox":
+            kwargs["proximal_mu"] = cfg["proximal-mu"]
+        if name == "fedtrimmedavg":
+            kwargs["beta"] = max(0.1, fraction)
+    elif name in FEDOPT:
+        base = _same_dtype(FedAdam if name == "fedadam" else FedYogi)
+        kwargs.update(eta=cfg["server-lr"], beta_1=cfg["beta1"], beta_2=cfg["beta2"], tau=cfg["server-tau"])
+    else:
+        base = _knowing_the_attackers({"krum": Krum, "multikrum": MultiKrum, "bulyan": Bulyan}[name], fraction)
+    schedule = lr_schedule(cfg)
+    if schedule is not None:
+        base = _scheduled(base, schedule)
+    return base(**kwargs, **common)
+
+
+def _knowing_the_attackers(base: type[FedAvg], fraction: float) -> type[FedAvg]:
+    """Krum / MultiKrum / Bulyan told f = ⌊fraction · N + ½⌋ of the N connected nodes each round."""
 
     class KnowingTheAttackers(base):  # type: ignore[misc, valid-type]
         def configure_train(
@@ -149,12 +165,26 @@ def fedavg_family(name: str, cfg: dict[str, Any]) -> Strategy:
         ) -> Iterable[Message]:
             n = len(list(grid.get_node_ids()))
             self.num_malicious_nodes = int(fraction * n + 0.5)
-            if name == "multikrum":
+            if base is MultiKrum:
                 self.num_nodes_to_select = n - self.num_malicious_nodes
             return super().configure_train(server_round, arrays, config, grid)
 
     KnowingTheAttackers.__name__ = base.__name__
-    return KnowingTheAttackers(**common)
+    return KnowingTheAttackers
+
+
+def _scheduled(base: type[FedAvg], schedule: Callable[[int], float]) -> type[FedAvg]:
+    """``base`` whose clients' SGD rate in round t is the train config's ``lr`` × ``schedule(t)``."""
+
+    class Scheduled(base):  # type: ignore[misc, valid-type]
+        def configure_train(
+            self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+        ) -> Iterable[Message]:
+            config = ConfigRecord({**config, "lr": float(config["lr"]) * schedule(server_round)})
+            return super().configure_train(server_round, arrays, config, grid)
+
+    Scheduled.__name__ = base.__name__
+    return Scheduled
 
 
 def _same_dtype(base: type[FedAvg]) -> type[FedAvg]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
 from typing import Any, Literal
@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result
 from flwr.supercore import log
 
 from .. import codec, entropy, lion, quantizers
@@ -136,6 +137,7 @@ class _Round:
     buffer_sync: bool = False  # clients upload their buffers this round
     bytes_down: int = 0
     bytes_down_fp32: int = 0
+    lr: float = 0.0  # the round's learning rate, lr · lr_schedule(server_round)
 
 
 class DistributedLion(ServerModelStrategy):
@@ -180,6 +182,13 @@ class DistributedLion(ServerModelStrategy):
         Majority vote (``sign(S)``, 0 on a tie) or mean (``S / n``) of the client signs.
     lr : float (default: 5e-4)
         Learning rate, applied on the server and on every replica.
+    lr_schedule : callable (int -> float) | None (default: None)
+        The factor of ``lr`` in each server round t: the round's rate is ``lr · lr_schedule(t)``
+        for its local Lion steps and its Δ (each Δ is sent with its rate, so a client catching
+        up applies every Δ at its own). Factors must lie in [0, 1]; they are checked for every
+        round of ``start`` before round 1. E.g. :func:`flower_dlion.lion.cosine_decay`.
+        ``None``: the constant ``lr``. The anchored downlink needs a constant rate ("auto"
+        then uses the chain).
     weight_decay : float (default: 0.1)
         Decoupled weight decay ``wd`` in ``x ← x − lr·(Δ + wd·x)``.
     beta1 : float (default: 0.9)
@@ -290,6 +299,7 @@ class DistributedLion(ServerModelStrategy):
         *,
         aggregation: Literal["vote", "mean"] = "vote",
         lr: float = 5e-4,
+        lr_schedule: Callable[[int], float] | None = None,
         weight_decay: float = 0.1,
         beta1: float = 0.9,
         beta2: float = 0.99,
@@ -383,6 +393,13 @@ class DistributedLion(ServerModelStrategy):
         exact_vote = aggregation == "vote" and broadcast_bits == 0
         if downlink not in ("auto", "anchored", "chain"):
             raise ValueError(f"downlink must be 'auto', 'anchored' or 'chain', got {downlink!r}")
+        if lr_schedule is not None and not callable(lr_schedule):
+            raise ValueError(f"lr_schedule must be a function of the server round or None, got {lr_schedule!r}")
+        if downlink == "anchored" and lr_schedule is not None:
+            raise ValueError(
+                "downlink='anchored' needs a constant learning rate (x = γ·xₐ − η·C), got an lr_schedule; "
+                "use 'chain' or 'auto'"
+            )
         if downlink == "anchored" and not exact_vote:
             raise ValueError(
                 f"downlink='anchored' needs integer Δs: aggregation='vote' and broadcast_bits=0 "
@@ -395,6 +412,7 @@ class DistributedLion(ServerModelStrategy):
             )
         self.aggregation = aggregation
         self.lr = lr
+        self.lr_schedule = lr_schedule
         self.weight_decay = weight_decay
         self.beta1 = beta1
         self.beta2 = beta2
@@ -415,7 +433,7 @@ class DistributedLion(ServerModelStrategy):
         self.buffer_sync_every = buffer_sync_every
         self.init_seed = init_seed
         self.state_key = state_key
-        self.anchored = downlink == "anchored" or (downlink == "auto" and exact_vote)
+        self.anchored = downlink == "anchored" or (downlink == "auto" and exact_vote and lr_schedule is None)
         self.anchor_every = anchor_every
         self.checkpoint_round = 0  # the latest checkpoint's round (clients keep their state as of it)
 
@@ -430,6 +448,34 @@ class DistributedLion(ServerModelStrategy):
         self._told_flips = False  # the coin-flip warning was logged
         self._clipped = 0  # ef-sign scales cut to the median in the round in progress
         self.history: list[dict[str, Any]] = []  # one dict of metrics per aggregated round
+
+    def lr_at(self, server_round: int) -> float:
+        """The learning rate of ``server_round``: ``lr · lr_schedule(server_round)``.
+
+        Raises
+        ------
+        ValueError
+            The schedule's factor for that round is not a number in [0, 1].
+
+        """
+        if self.lr_schedule is None:
+            return self.lr
+        factor = self.lr_schedule(server_round)
+        try:
+            value = float(factor)
+        except (TypeError, ValueError):
+            value = math.nan
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"lr_schedule({server_round}) must be a number in [0, 1] (a factor of lr), got {factor!r}")
+        return self.lr * value
+
+    def start(  # type: ignore[override]
+        self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, *args: Any, **kwargs: Any
+    ) -> Result:
+        """Check the schedule's factor for every round of the run, then run Flower's round loop."""
+        for server_round in range(kwargs.get("start_round", 1), num_rounds + 1):
+            self.lr_at(server_round)  # a bad factor fails before round 1
+        return super().start(grid, initial_arrays, num_rounds, *args, **kwargs)
 
     @property
     def _shape(self) -> Shape:
@@ -447,8 +493,9 @@ class DistributedLion(ServerModelStrategy):
         log(INFO, "\t├──> Distributed Lion: aggregation=%s", self.aggregation)
         log(
             INFO,
-            "\t│\t└──lr=%g | weight_decay=%g | beta1=%g | beta2=%g",
+            "\t│\t└──lr=%g%s | weight_decay=%g | beta1=%g | beta2=%g",
             self.lr,
+            " (scheduled)" if self.lr_schedule is not None else "",
             self.weight_decay,
             self.beta1,
             self.beta2,
@@ -538,7 +585,7 @@ class DistributedLion(ServerModelStrategy):
             self._init_model(arrays, self._described)
             self._initial = None
         assert self.x is not None
-        rnd = _Round(server_round, self.state.version, checksum(self.x))
+        rnd = _Round(server_round, self.state.version, checksum(self.x), lr=self.lr_at(server_round))
         rnd.momentum_sync = bool(self.momentum_sync_every) and server_round % self.momentum_sync_every == 0
         rnd.buffer_sync = self._buffer_round(server_round)
         self._round = rnd
@@ -581,7 +628,7 @@ class DistributedLion(ServerModelStrategy):
             )
         elif self.local_steps > 1:
             round_config.update(
-                {"local-steps": self.local_steps, "local-lr": self.lr, "local-weight-decay": self.weight_decay}
+                {"local-steps": self.local_steps, "local-lr": rnd.lr, "local-weight-decay": self.weight_decay}
             )
         if self.local_proximal_mu:
             round_config["local-proximal-mu"] = self.local_proximal_mu
@@ -938,9 +985,9 @@ class DistributedLion(ServerModelStrategy):
         else:
             weight_decay = self.weight_decay * self._lion_steps  # K local Lion steps' worth of decay
             s = None if scales is None else torch.tensor(scales)
-            quantizers.apply_delta_(self.x, update.levels, update.num_levels, s, self.sizes, self.lr, weight_decay)
+            quantizers.apply_delta_(self.x, update.levels, update.num_levels, s, self.sizes, rnd.lr, weight_decay)
             self.state.version += 1
-            broadcast = _Broadcast(self.state.version, update.num_levels, self.lr, weight_decay, update.encoded, scales)
+            broadcast = _Broadcast(self.state.version, update.num_levels, rnd.lr, weight_decay, update.encoded, scales)
             self._remember(broadcast)
         agreement = update.sum_abs / (d * n * self._kind.agreement_scale(self._lion_steps))
         if rnd.momentum_sync:
