@@ -41,6 +41,7 @@ DEFAULTS: dict[str, Any] = {
     "accumulate": 1,
     "upload": "sign",
     "broadcast-bits": 0,
+    "scale-block": 0,
     "server-momentum": 0.0,
     "momentum-sync-every": 0,
     "momentum-sync-layers": "",
@@ -113,6 +114,7 @@ DLION_ONLY = (
     "accumulate",
     "upload",
     "broadcast-bits",
+    "scale-block",
     "server-momentum",
     "momentum-sync-every",
     "momentum-sync-layers",
@@ -174,6 +176,12 @@ def read_config(run_config: Mapping[str, Any] | None) -> dict[str, Any]:
     if not 0 <= cfg["broadcast-bits"] <= 8:
         raise ValueError(
             f"run-config 'broadcast-bits' must be in [0, 8] (0: exact levels), got {cfg['broadcast-bits']}"
+        )
+    if cfg["scale-block"] < 0:
+        raise ValueError(f"run-config 'scale-block' must be >= 0 (0: one scale per tensor), got {cfg['scale-block']}")
+    if cfg["scale-block"] and cfg["upload"] != "ef-sign" and not cfg["broadcast-bits"]:
+        raise ValueError(
+            f"run-config 'scale-block' = {cfg['scale-block']} needs scales: upload = 'ef-sign' or 'broadcast-bits' >= 1"
         )
     if cfg["momentum-sync-every"] < 0:
         raise ValueError(f"run-config 'momentum-sync-every' must be >= 0 (0: never), got {cfg['momentum-sync-every']}")

@@ -36,9 +36,26 @@ import torch
 from .codec import apply_levels_, levels_to_values
 from .lion import apply_update_
 
-__all__ = ["CLIP", "apply_delta_", "dequantize", "ef_quantize_", "quantize", "ternarize", "unternarize"]
+__all__ = ["CLIP", "apply_delta_", "dequantize", "ef_quantize_", "quantize", "scale_blocks", "ternarize", "unternarize"]
 
 CLIP = 2.5  # Wen et al.'s clipping factor c
+
+
+def scale_blocks(sizes: Sequence[int], block: int) -> list[int]:
+    """The segments that get one scale each: every tensor cut into blocks of ``block`` values.
+
+    A tensor of s values gives ⌈s/B⌉ segments, all of B values but its last (Lion Cub's
+    per-block scales, Ishikawa et al., 2024); ``block`` = 0 keeps one segment per tensor.
+    Every function here takes the result as its ``sizes``.
+
+    >>> scale_blocks([5, 2, 8], 4)
+    [4, 1, 2, 4, 4]
+    """
+    if block < 0:
+        raise ValueError(f"block must be >= 0 (0: one scale per tensor), got {block}")
+    if block == 0:
+        return list(sizes)
+    return [min(block, s - start) for s in sizes for start in range(0, s, block)]
 
 
 def _check_sizes(sizes: Sequence[int], d: int) -> None:

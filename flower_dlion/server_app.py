@@ -84,6 +84,7 @@ def build_strategy(cfg: dict[str, Any], state_key: str = "") -> Strategy:
             accumulate=cfg["accumulate"],
             upload=cfg["upload"],
             broadcast_bits=cfg["broadcast-bits"],
+            scale_block=cfg["scale-block"],
             server_momentum=cfg["server-momentum"],
             momentum_sync_every=cfg["momentum-sync-every"],
             momentum_sync_layers=sync_prefixes(cfg["momentum-sync-layers"]),

@@ -320,6 +320,16 @@ OPTIONS = {
     "sum-mean": {"strategy": "dlion-mean", "local-steps": 3, "upload": "sum"},
     "sign-vote": {"strategy": "dlion-vote", "local-steps": 3},
     "ef-sign-1bit": {"strategy": "dlion-mean", "local-steps": 3, "upload": "ef-sign", "broadcast-bits": 1},
+    "ef-sign-blocks": {
+        "strategy": "dlion-mean",
+        "local-steps": 3,
+        "upload": "ef-sign",
+        "broadcast-bits": 1,
+        "scale-block": 1000,
+        "lr-schedule": "cosine",
+        "lr-final": 0.5,
+        "num-server-rounds": 4,
+    },
     "ef-sign-2bit-seed": {
         "strategy": "dlion-mean",
         "local-steps": 2,

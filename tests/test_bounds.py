@@ -128,6 +128,13 @@ def _levels(msg: Message) -> None:
     arr.data = b"\xff" * len(arr.data)  # 5 trits per byte hold 0…242: 255 is no level
 
 
+def _config(key: str, value: object) -> Callable[[Message], None]:
+    def tamper(msg: Message) -> None:
+        msg.content[CONFIG][key] = value
+
+    return tamper
+
+
 CHAIN = {"downlink": "chain"}  # the chain downlink's Δs (the default, anchored, sends counts)
 
 
@@ -158,6 +165,8 @@ def _momentum(value: float) -> Callable[[Message], None]:
         (lambda m: _scales(m, math.nan), CHAIN, "a Δ scale is nan, outside [0, 1e+06]: refused"),
         (lambda m: _scales(m, -1.0), CHAIN, "a Δ scale is -1.0, outside [0, 1e+06]: refused"),
         (lambda m: _scales(m, 1e30), CHAIN, "a Δ scale is 1e+30, outside [0, 1e+06]: refused"),
+        (_config("scale-block", -4), CHAIN, "scale-block -4 (an int in [0, 2**31] allowed): refused"),
+        (_config("scale-block", "8"), CHAIN, "scale-block '8' (an int in [0, 2**31] allowed): refused"),
         (_levels, CHAIN, "Δ 1 of 1 does not decode"),
         (lambda m: m.content[CONFIG].__setitem__("lr", [-0.01]), CHAIN, "a Δ with lr -0.01 and weight decay"),
         (lambda m: m.content[CONFIG].__setitem__("lr", [math.inf]), CHAIN, "a Δ with lr inf and weight decay"),

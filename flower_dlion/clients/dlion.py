@@ -67,7 +67,7 @@ from ..protocol import (
     to_array,
 )
 from ..uploads import UPLOADS, Shape
-from .replica import apply_message
+from .replica import apply_message, scale_sizes
 from .state import CONTEXT_LIMIT, ClientStateError, ReplicaState, StateStore, default_state_dir, node_label
 
 __all__ = ["ClientSettings", "ClientStateError", "DLionClient", "Tamper", "resolve_device"]
@@ -277,7 +277,7 @@ class DLionClient:
         flips: list[int] = []  # how many signs were coin flips (exact zeros of the Lion mix)
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(_seed(seed, key, server_round, 1))  # the batches' shuffles, dropout
-            arrays = _upload(state, round_config, spec.sizes, work, gen, tamper, flips)
+            arrays = _upload(state, round_config, spec.sizes, work, gen, tamper, flips, context.node_id)
         if sync:
             assert mask is not None
             arrays["momentum"] = to_array(state.m[mask].cpu().numpy())
@@ -396,6 +396,7 @@ def _upload(
     gen: torch.Generator,
     tamper: Tamper | None,
     flips: list[int],
+    node_id: int,
 ) -> dict[str, Array]:
     """Steps 2–3: the local Lion steps and the reply's arrays for U (m and the error state updated).
 
@@ -406,6 +407,7 @@ def _upload(
     beta1, beta2 = float(round_config["beta1"]), float(round_config["beta2"])
     if upload not in UPLOADS:  # before the local steps: the state stays as it was
         raise ClientStateError(f"unknown upload {upload!r}")
+    sizes = scale_sizes(sizes, round_config, node_id)
     gradient = work.gradient
     mu = float(round_config.get("local-proximal-mu", 0.0))
     if mu:  # drift control: each local gradient gains μ·(x_local − x), x the round's replica

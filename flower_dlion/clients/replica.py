@@ -256,7 +256,8 @@ def _apply_deltas(
     content: RecordDict, state: ReplicaState, spec: ModelSpec, device: torch.device, node_id: int, *, skip: int
 ) -> None:
     """X ← x − lr·(Δ + wd·x) for each received Δ after the first ``skip`` (those x already has)."""
-    round_config, d, sizes = content[CONFIG], spec.d, spec.sizes
+    round_config, d = content[CONFIG], spec.d
+    sizes = scale_sizes(spec.sizes, round_config, node_id)
     arr = content[BROADCAST]["payload"]
     if arr.stype != LEVELS_STYPE:
         raise ClientStateError(f"node {node_id}: update stype {arr.stype!r}, expected {LEVELS_STYPE!r}")
@@ -264,9 +265,7 @@ def _apply_deltas(
     scales = list(round_config.get("scales", []))
     steps = _check_steps(round_config, node_id)
     if scales and len(scales) != len(steps) * len(sizes):
-        raise ClientStateError(
-            f"node {node_id}: {len(scales)} scales for {len(steps)} Δs of a model of {len(sizes)} tensors"
-        )
+        raise ClientStateError(f"node {node_id}: {len(scales)} scales for {len(steps)} Δs of {len(sizes)} scales each")
     if not all(isinstance(s, float | int) and 0.0 <= s <= SCALE_LIMIT for s in scales):  # also refuses nan
         bad = next(s for s in scales if not (isinstance(s, float | int) and 0.0 <= s <= SCALE_LIMIT))
         raise ClientStateError(f"node {node_id}: a Δ scale is {bad!r}, outside [0, {SCALE_LIMIT:g}]: refused")
@@ -288,6 +287,14 @@ def _apply_deltas(
         offset += size
     if offset != buf.numel():
         raise ClientStateError(f"node {node_id}: update has {buf.numel()} bytes, its Δs use {offset}")
+
+
+def scale_sizes(sizes: list[int], round_config: dict, node_id: int) -> list[int]:
+    """The values under each scale of an upload or a Δ: the tensors cut into ``scale-block`` blocks (0: whole)."""
+    block = round_config.get("scale-block", 0)
+    if not (isinstance(block, int) and not isinstance(block, bool) and 0 <= block <= 1 << 31):
+        raise ClientStateError(f"node {node_id}: scale-block {block!r} (an int in [0, 2**31] allowed): refused")
+    return quantizers.scale_blocks(sizes, block)
 
 
 def _check_steps(round_config: dict, node_id: int) -> list[tuple[int, float, float]]:

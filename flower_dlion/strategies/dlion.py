@@ -238,6 +238,11 @@ class DistributedLion(ServerModelStrategy):
     broadcast_bits : int (default: 0)
         0: broadcast Δ exactly as levels. p ≥ 1: quantize Δ + e to 2 (p = 1, scaled sign)
         or 2ᵖ − 1 levels with one scale per tensor, keeping the error e on the server.
+    scale_block : int (default: 0)
+        B > 0: the ef-sign upload and the quantized broadcast carry one float32 scale per block
+        of B values of each tensor (Lion Cub's per-block scales, Ishikawa et al., 2024; the
+        last block of a tensor is shorter) instead of one per tensor: 4 bytes per B values
+        more. Needs ``upload="ef-sign"`` or ``broadcast_bits`` ≥ 1.
     server_momentum : float (default: 0.0)
         μ of a Nesterov momentum on the aggregated update before it is quantized for the
         broadcast (DiLoCo's outer optimizer, Douillard et al., 2023): ``M ← μ·M + Δ``, and the
@@ -318,6 +323,7 @@ class DistributedLion(ServerModelStrategy):
         accumulate: int = 1,
         upload: Literal["sign", "sum", "ef-sign"] = "sign",
         broadcast_bits: int = 0,
+        scale_block: int = 0,
         server_momentum: float = 0.0,
         momentum_sync_every: int = 0,
         momentum_sync_layers: Sequence[str] = (),
@@ -366,6 +372,13 @@ class DistributedLion(ServerModelStrategy):
             raise ValueError(
                 f"server_momentum={server_momentum} needs broadcast_bits >= 1: the momentum step Δ + μ·M "
                 "has no exact low-bit form, so it is quantized with error feedback"
+            )
+        if scale_block < 0:
+            raise ValueError(f"scale_block must be >= 0 (0: one scale per tensor), got {scale_block}")
+        if scale_block and upload != "ef-sign" and not broadcast_bits:
+            raise ValueError(
+                f"scale_block={scale_block} needs scales: upload='ef-sign' or broadcast_bits >= 1 "
+                f"(got upload={upload!r}, broadcast_bits=0)"
             )
         if upload == "ef-sign" and aggregation == "mean" and broadcast_bits == 0:
             raise ValueError("upload='ef-sign' with aggregation='mean' needs broadcast_bits >= 1 (no exact form)")
@@ -427,6 +440,7 @@ class DistributedLion(ServerModelStrategy):
         self.upload = upload
         self._kind = kind
         self.broadcast_bits = broadcast_bits
+        self.scale_block = scale_block
         self.server_momentum = server_momentum
         self.momentum_sync_every = momentum_sync_every
         self.momentum_sync_layers = tuple(momentum_sync_layers)
@@ -480,7 +494,12 @@ class DistributedLion(ServerModelStrategy):
     @property
     def _shape(self) -> Shape:
         """The model's size and K, as the upload kinds take them."""
-        return Shape(self.num_parameters, self.sizes, self._lion_steps)
+        return Shape(self.num_parameters, self._scale_sizes, self._lion_steps)
+
+    @property
+    def _scale_sizes(self) -> list[int]:
+        """The number of values under each scale of an upload or a broadcast (``scale_block``)."""
+        return quantizers.scale_blocks(self.sizes, self.scale_block)
 
     @property
     def version(self) -> int:
@@ -512,8 +531,10 @@ class DistributedLion(ServerModelStrategy):
         if self.broadcast_bits or self.momentum_sync_every or self.init_seed is not None:
             log(
                 INFO,
-                "\t│\t└──broadcast_bits=%d | server_momentum=%g | momentum_sync_every=%d (layers %s) | init_seed=%s",
+                "\t│\t└──broadcast_bits=%d | scale_block=%d | server_momentum=%g | momentum_sync_every=%d "
+                "(layers %s) | init_seed=%s",
                 self.broadcast_bits,
+                self.scale_block,
                 self.server_momentum,
                 self.momentum_sync_every,
                 ",".join(self.momentum_sync_layers) or "all",
@@ -638,6 +659,8 @@ class DistributedLion(ServerModelStrategy):
             round_config["accumulate"] = self.accumulate
         if self.upload != "sign":
             round_config["upload"] = self.upload
+        if self.scale_block:
+            round_config["scale-block"] = self.scale_block
         if rnd.momentum_sync:
             round_config["momentum-sync"] = 1
         if rnd.buffer_sync:
@@ -708,7 +731,7 @@ class DistributedLion(ServerModelStrategy):
                 }
             )
             if any(b.scales is not None for b in chain):
-                ones = (1.0,) * len(self._layout)
+                ones = (1.0,) * len(self._scale_sizes)
                 round_config["scales"] = [v for b in chain for v in (b.scales if b.scales is not None else ones)]
             array = Array(dtype="level", shape=(len(chain) * self.num_parameters,), stype=LEVELS_STYPE, data=payload)
             return (
@@ -864,7 +887,7 @@ class DistributedLion(ServerModelStrategy):
         k = self._lion_steps
         if self.upload == "sign" and self.broadcast_bits == 0:  # the levels of sign(S) or S/n; Δ is K times them
             update = codec.aggregate_packed([r.upload.data for r in replies], self.num_parameters, self.aggregation)
-            return update, ((float(k),) * len(self._layout) if k > 1 else None)
+            return update, ((float(k),) * len(self._scale_sizes) if k > 1 else None)
         votes = self._vote_sum(replies)
         levels, scales = self._update(votes, len(replies))
         ties = int(torch.count_nonzero(votes == 0))
@@ -886,7 +909,7 @@ class DistributedLion(ServerModelStrategy):
 
     def _update(self, votes: torch.Tensor, n: int) -> tuple[lion.Levels, tuple[float, ...] | None]:
         """Δ (in local steps) as levels and per-tensor scales, from S of n valid replies."""
-        k, num_tensors = self._lion_steps, len(self._layout)
+        k, num_tensors = self._lion_steps, len(self._scale_sizes)
         if self.broadcast_bits == 0:  # exact: Δ = K·sign(S) or S/n as levels
             if votes.dtype.is_floating_point:  # weighted vote of scaled signs
                 levels = lion.Levels((torch.sign(votes) + 1).to(torch.int32), 3)
@@ -907,7 +930,7 @@ class DistributedLion(ServerModelStrategy):
         if self.state.server_error is None:
             self.state.server_error = torch.zeros_like(target)
         num_levels = 2 if self.broadcast_bits == 1 else 2**self.broadcast_bits - 1
-        levels, scales = quantizers.ef_quantize_(target, self.state.server_error, self.sizes, num_levels)
+        levels, scales = quantizers.ef_quantize_(target, self.state.server_error, self._scale_sizes, num_levels)
         return lion.Levels(levels, num_levels), tuple(float(v) for v in scales)
 
     def aggregate_train(
@@ -985,7 +1008,8 @@ class DistributedLion(ServerModelStrategy):
         else:
             weight_decay = self.weight_decay * self._lion_steps  # K local Lion steps' worth of decay
             s = None if scales is None else torch.tensor(scales)
-            quantizers.apply_delta_(self.x, update.levels, update.num_levels, s, self.sizes, rnd.lr, weight_decay)
+            sizes = self._scale_sizes
+            quantizers.apply_delta_(self.x, update.levels, update.num_levels, s, sizes, rnd.lr, weight_decay)
             self.state.version += 1
             broadcast = _Broadcast(self.state.version, update.num_levels, rnd.lr, weight_decay, update.encoded, scales)
             self._remember(broadcast)
