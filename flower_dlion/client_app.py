@@ -28,7 +28,7 @@ from .clients.attacks import attacker
 from .clients.common import PartitionBatches, byzantine, inject_failure, partition_id
 from .clients.dlion import ClientSettings, DLionClient, Tamper
 from .config import DLION_STRATEGIES, FEDAVG_FAMILY, read_config
-from .model import Net
+from .model import MODELS, Net
 
 BASELINES = {
     "global-lion": gradient.train,
@@ -41,8 +41,15 @@ class FashionMNISTClient(DLionClient):
     """The app's D-Lion client: its settings come from the run config (``device``, ``client-state-dir`` …)."""
 
     def settings(self, context: Context) -> ClientSettings:
-        """``device``, ``client-state-dir``, ``state-in-context`` and ``momentum-dtype`` of the run config."""
+        """``device``, ``client-state-dir``, ``state-in-context`` and ``momentum-dtype`` of the run config.
+
+        Also builds the run config's ``model`` from now on (a run of another model replaces the
+        model objects of the last one).
+        """
         cfg = read_config(context.run_config)
+        if self.model_fn is not MODELS[cfg["model"]]:
+            self.model_fn = MODELS[cfg["model"]]
+            self._bindings.clear()
         return ClientSettings(
             device=cfg["device"],
             state_dir=cfg["client-state-dir"] or None,

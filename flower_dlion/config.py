@@ -24,6 +24,7 @@ __all__ = [
 DEFAULTS: dict[str, Any] = {
     "num-server-rounds": 200,
     "strategy": "dlion-vote",
+    "model": "cnn",
     "lr": 0.002,
     "lr-schedule": "constant",
     "lr-final": 0.0,
@@ -88,6 +89,7 @@ BYZANTINE_MODES = ("flip", "random", "scale", "momentum", "little")  # clients/a
 
 _CHOICES = {
     "strategy": STRATEGIES,
+    "model": ("cnn", "cnn-bn"),  # model.MODELS
     "partitioner": ("iid", "dirichlet", "pathological", "shard"),
     "device": ("auto", "cpu", "cuda"),
     "upload": ("sign", "sum", "ef-sign"),

@@ -1,8 +1,9 @@
-"""The repository app's model: a small CNN for 28×28 grey images, and its evaluation.
+"""The repository app's models: small CNNs for 28×28 grey images, and their evaluation.
 
-Any ``nn.Module`` works with the library (:mod:`flower_dlion.params`); this one is the
+Any ``nn.Module`` works with the library (:mod:`flower_dlion.params`). :class:`Net` is the
 default federation's, kept without BatchNorm so that its results stay comparable with the
-study's.
+study's; :class:`NetBN` is the same CNN with BatchNorm after each convolution (run config
+``model = "cnn-bn"``), a second model for the studies whose buffers stay with the clients.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from torch import nn
 
 from .params import Binding, cross_entropy_loss
 
-__all__ = ["Net", "evaluate", "flat_gradient", "flat_parameters", "seeded_net"]
+__all__ = ["MODELS", "Net", "NetBN", "evaluate", "flat_gradient", "flat_parameters", "seeded_net"]
 
 
 class Net(nn.Module):
@@ -42,15 +43,35 @@ class Net(nn.Module):
         return self.classifier(self.features(x))
 
 
-def seeded_net(seed: int) -> Net:
-    """``Net()`` initialized from ``torch.manual_seed(seed)``, without touching the global RNG.
+class NetBN(Net):
+    """:class:`Net` with BatchNorm after each convolution; 281,130 parameters and 98 buffer values."""
+
+    def __init__(self, num_classes: int = 10, activation: type[nn.Module] = nn.SiLU) -> None:
+        super().__init__(num_classes, activation)
+        self.features = nn.Sequential(
+            nn.Conv2d(1, 16, 5),
+            nn.BatchNorm2d(16),
+            activation(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 5),
+            nn.BatchNorm2d(32),
+            activation(),
+            nn.MaxPool2d(2),
+        )
+
+
+MODELS: dict[str, type[Net]] = {"cnn": Net, "cnn-bn": NetBN}  # run config ``model``
+
+
+def seeded_net(seed: int, model: str = "cnn") -> Net:
+    """``MODELS[model]()`` initialized from ``torch.manual_seed(seed)``, without touching the global RNG.
 
     The server's initial model; a client given the same seed builds the same x₀ (checked by
     checksum), so the first download can be a seed instead of the model.
     """
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return Net()
+        return MODELS[model]()
 
 
 def flat_parameters(model: nn.Module) -> torch.Tensor:

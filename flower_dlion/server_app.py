@@ -36,7 +36,7 @@ from .config import DLION_STRATEGIES, FEDAVG_FAMILY, FEDOPT, read_config
 from .data import load_fashion_mnist, to_tensor
 from .lion import cosine_decay
 from .metering import Exchange, MeteredGrid
-from .model import Net, evaluate
+from .model import MODELS, evaluate
 from .protocol import sync_prefixes
 from .results import Recorder
 from .strategies.dlion import DistributedLion
@@ -268,7 +268,7 @@ def run_federation(grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, s
     log(INFO, "[flower-dlion] %s, results directory: %s", cfg["strategy"], out_dir)
 
     torch.manual_seed(cfg["seed"])
-    model = Net()  # the same x₀ as model.seeded_net(seed), which init = "seed" clients build
+    model = MODELS[cfg["model"]]()  # the same x₀ as model.seeded_net(seed), which init = "seed" clients build
     initial = ArrayRecord(model.state_dict())
     eval_name, eval_x, eval_y = evaluation_set(cfg)
     state_key = uuid.uuid4().hex if cfg["client-state-dir"] else ""  # kept across resumes (in the strategy)

@@ -18,7 +18,7 @@ from flwr.app import Context
 
 from ..config import read_config
 from ..data import FashionMNIST, load_fashion_mnist, partition_indices, sample_batch, to_tensor
-from ..model import Net
+from ..model import MODELS, Net
 from .dlion import ClientStateError, resolve_device
 
 __all__ = [
@@ -57,17 +57,17 @@ def byzantine(settings: dict[str, Any], pid: int, num_partitions: int) -> bool:
     return pid < int(settings["byzantine-fraction"] * num_partitions + 0.5)
 
 
-@functools.lru_cache(maxsize=2)
-def model_on(device: torch.device) -> Net:
-    """One reusable model object per device (its parameters are overwritten every message)."""
-    return Net().to(device)
+@functools.lru_cache(maxsize=4)
+def model_on(device: torch.device, model: str = "cnn") -> Net:
+    """One reusable object of run config ``model`` per device (its parameters are overwritten every message)."""
+    return MODELS[model]().to(device)
 
 
 def setup(context: Context) -> tuple[dict[str, Any], torch.device, Net]:
     """The node's checked run config, its device and the model object on it."""
     settings = read_config(context.run_config)
     device = resolve_device(settings["device"])
-    return settings, device, model_on(device)
+    return settings, device, model_on(device, settings["model"])
 
 
 def partition_id(context: Context) -> tuple[int, int]:
