@@ -82,7 +82,17 @@ DEFAULTS: dict[str, Any] = {
 # Flower's FedAvg, its robust aggregators, FedProx and the adaptive server optimizers (FedAdam,
 # FedYogi): the same client (local SGD epochs, the model out)
 FEDOPT = ("fedadam", "fedyogi")
-FEDAVG_FAMILY = ("fedavg", "fedprox", *FEDOPT, "fedmedian", "fedtrimmedavg", "krum", "multikrum", "bulyan")
+FEDAVG_FAMILY = (
+    "fedavg",
+    "fedprox",
+    *FEDOPT,
+    "scaffold",
+    "fedmedian",
+    "fedtrimmedavg",
+    "krum",
+    "multikrum",
+    "bulyan",
+)
 STRATEGIES = ("dlion-vote", "dlion-mean", "signsgd-vote", "global-lion", "global-adamw", "terngrad", *FEDAVG_FAMILY)
 
 BYZANTINE_MODES = ("flip", "random", "scale", "momentum", "little")  # clients/attacks.py

@@ -98,6 +98,7 @@ __all__ = [
     "CLIENT_STATE_ERROR",
     "CODED_STYPE",
     "CONFIG",
+    "CONTROL",
     "GRAD_CONFIG",
     "GRAD_METRICS",
     "GRAD_MODEL",
@@ -136,6 +137,7 @@ HELLO = "hello"
 HELLO_ACTION = "dlion"  # the hello is a "query.dlion" message: a user's own query handler stays free
 REST = "dlion.rest"
 USER_CONFIG = "config"  # the ServerApp's train_config, where Flower's FedAvg puts it
+CONTROL = "control"  # SCAFFOLD (strategies/scaffold.py): c server → client, Δcᵢ client → server
 CLIENT_STATE_ERROR = "ClientStateError"  # in a client's error reason when its replica cannot serve a message
 SEED_MISMATCH = "x0 built from seed"  # in a client's error when its x₀ differs from the server's
 SIGN_STYPE = "dlion.sign1"

@@ -41,6 +41,7 @@ from .protocol import sync_prefixes
 from .results import Recorder
 from .strategies.dlion import DistributedLion
 from .strategies.global_opt import GlobalOptimizer
+from .strategies.scaffold import Scaffold
 
 __all__ = ["app", "build_strategy", "default_results_dir", "evaluation_set", "run_federation", "train_config"]
 
@@ -121,6 +122,7 @@ def fedavg_family(name: str, cfg: dict[str, Any]) -> Strategy:
     """Flower's FedAvg, FedProx, FedAdam, FedYogi, or a robust aggregator told what it needs to know of attackers.
 
     With ``lr-schedule`` the clients' SGD rate in round t is ``lr`` × the schedule's factor.
+    SCAFFOLD (:mod:`flower_dlion.strategies.scaffold`) sends its control variate c beside the model.
     FedProx sends ``proximal-mu`` to the clients (their loss gains μ/2·‖w − x‖²). FedAdam and
     FedYogi (Reddi et al., 2021) treat the mean client model change as a pseudo-gradient for a
     server Adam / Yogi step with ``server-lr`` (η), ``beta1``, ``beta2`` and ``server-tau`` (τ);
@@ -140,8 +142,9 @@ def fedavg_family(name: str, cfg: dict[str, Any]) -> Strategy:
     }
     fraction = cfg["byzantine-fraction"]
     kwargs: dict[str, Any] = {}
-    if name in ("fedavg", "fedprox", "fedmedian", "fedtrimmedavg"):
-        base: type[FedAvg] = {"fedavg": FedAvg, "fedprox": FedProx, "fedmedian": FedMedian}.get(name, FedTrimmedAvg)
+    if name in ("fedavg", "fedprox", "scaffold", "fedmedian", "fedtrimmedavg"):
+        named = {"fedavg": FedAvg, "fedprox": FedProx, "scaffold": Scaffold, "fedmedian": FedMedian}
+        base: type[FedAvg] = named.get(name, FedTrimmedAvg)
         if name == "fedprox":
             kwargs["proximal_mu"] = cfg["proximal-mu"]
         if name == "fedtrimmedavg":

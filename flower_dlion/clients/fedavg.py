@@ -6,7 +6,10 @@ the first k minibatches of each epoch), batch-size, seed, server-round),
 replies "arrays" (the local model) and "metrics" (num-examples, train-loss). The
 optimizer (``torch.optim.SGD``) starts fresh every round, as in McMahan et al. (2017).
 With FedProx's "proximal-mu" μ > 0 in the config, each batch's loss gains μ/2·‖w − x‖², x
-the model received (Li et al., 2020).
+the model received (Li et al., 2020). With run config ``strategy = "scaffold"`` each step's
+gradient gains c − cᵢ (c: the message's "control" record, zeros without one; cᵢ: this
+node's, in ``context.state``), and the reply's "control" record holds
+Δcᵢ = −c + (1 − β)·(x − y)/(K·η) (:mod:`flower_dlion.strategies.scaffold`).
 
 Faults for studies: with ``byzantine-fraction`` the first k partitions send
 x + s·(−u) (``byzantine-mode = "flip"``) or x + s·‖u‖·ξ/‖ξ‖ with Gaussian ξ
@@ -18,13 +21,17 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from torch import nn
 
 from ..data import to_tensor
+from ..protocol import CONTROL
 from .common import byzantine, partition, partition_id, setup
+from .state import ClientStateError
 
 __all__ = ["train"]
+
+OWN_CONTROL = "scaffold-control"  # cᵢ in context.state
 
 
 def train(msg: Message, context: Context) -> Message:
@@ -43,7 +50,10 @@ def train(msg: Message, context: Context) -> Message:
     rng = np.random.default_rng([int(round_config["seed"]), pid, int(round_config["server-round"])])
     batch_size = int(round_config["batch-size"])
     mu = float(round_config.get("proximal-mu", 0.0))
-    anchor = [p.detach().clone() for p in model.parameters()] if mu > 0 else []
+    scaffold = settings["strategy"] == "scaffold"
+    anchor = [p.detach().clone() for p in model.parameters()] if mu > 0 or scaffold else []
+    correction = _correction(msg, context, model, device) if scaffold else {}
+    steps = 0
     model.train()
     total, seen = 0.0, 0
     max_batches = int(round_config.get("local-batches", 0))  # 0: whole epochs
@@ -59,13 +69,21 @@ def train(msg: Message, context: Context) -> Message:
                 loss = loss + mu / 2 * pull
             opt.zero_grad(set_to_none=True)
             loss.backward()
+            for name, p in model.named_parameters():
+                if name in correction:
+                    p.grad.add_(correction[name])  # SCAFFOLD: g + c − cᵢ
             opt.step()
+            steps += 1
             seen += idx.numel()
     state = model.state_dict()
     if byzantine(settings, *partition_id(context)):  # a fault study's attacker
         state = _attack(msg.content["arrays"].to_torch_state_dict(), state, settings, rng)
+    records = {}
+    if scaffold:
+        records[CONTROL] = _control_delta(msg, context, model, anchor, steps, round_config)
     reply = RecordDict(
         {
+            **records,
             "arrays": ArrayRecord(state),
             "metrics": MetricRecord(
                 {
@@ -76,6 +94,37 @@ def train(msg: Message, context: Context) -> Message:
         }
     )
     return Message(content=reply, reply_to=msg)
+
+
+def _correction(msg: Message, context: Context, model: nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
+    """SCAFFOLD's c − cᵢ per parameter name (c: zeros when the message has none; cᵢ: zeros at first)."""
+    server = msg.content[CONTROL] if CONTROL in msg.content else ArrayRecord()
+    own = context.state[OWN_CONTROL] if OWN_CONTROL in context.state else ArrayRecord()
+    out = {}
+    for name, p in model.named_parameters():
+        c = server[name].numpy() if name in server else np.zeros(p.shape, np.float32)
+        ci = own[name].numpy() if name in own else np.zeros(p.shape, np.float32)
+        if c.shape != tuple(p.shape) or not np.isfinite(c).all():
+            raise ClientStateError(f"node {context.node_id}: control '{name}' {c.shape} not finite of {tuple(p.shape)}")
+        out[name] = torch.from_numpy(c - ci).to(device)
+    return out
+
+
+def _control_delta(
+    msg: Message, context: Context, model: nn.Module, anchor: list[torch.Tensor], steps: int, round_config: ConfigRecord
+) -> ArrayRecord:
+    """Δcᵢ = cᵢ⁺ − cᵢ with cᵢ⁺ = cᵢ − c + (1 − β)·(x − y)/(K·η); cᵢ⁺ is kept in ``context.state``."""
+    server = msg.content[CONTROL] if CONTROL in msg.content else ArrayRecord()
+    own = context.state[OWN_CONTROL] if OWN_CONTROL in context.state else ArrayRecord()
+    factor = (1.0 - float(round_config["momentum"])) / (max(steps, 1) * float(round_config["lr"]))
+    delta, updated = {}, {}
+    for (name, p), x in zip(model.named_parameters(), anchor, strict=True):
+        c = server[name].numpy() if name in server else np.zeros(p.shape, np.float32)
+        ci = own[name].numpy() if name in own else np.zeros(p.shape, np.float32)
+        d = (-c + factor * (x - p.detach()).cpu().numpy()).astype(np.float32)
+        delta[name], updated[name] = Array(d), Array((ci + d).astype(np.float32))
+    context.state[OWN_CONTROL] = ArrayRecord(updated)
+    return ArrayRecord(delta)
 
 
 def _attack(
