@@ -51,12 +51,14 @@ def test_every_strategy_runs_end_to_end_with_measured_bytes(strategy: str, fake_
     # Assert: every client answered; bytes per reply = payload + headers (< 1 KB; FedAvg: 8 arrays, < 5 KB)
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert [r["num_replies"] for r in rows[1:]] == [3, 3] and all(r["num_errors"] == 0 for r in rows)
-    payload = {"fp32": 4 * D, "sign": -(-D // 8), "tern": 4 * 8 + -(-D // 5)}
+    payload = {"fp32": 4 * D, "sign": -(-D // 8), "tern": 4 * 8 + -(-D // 5), "2 x fp32": 2 * 4 * D}
     kind = {"global-lion": "fp32", "global-adamw": "fp32", "terngrad": "tern"}.get(strategy, "sign")
     kind = "fp32" if strategy in FEDAVG_FAMILY else kind
+    kind = "2 x fp32" if strategy == "scaffold" else kind  # the model and Δcᵢ
     for r in rows[1:]:
         per_reply = r["bytes_up"] / 3  # our strategies' round 1 also carries one hello per node (< 600 B)
-        limit = payload[kind] + (5000 if strategy in FEDAVG_FAMILY else 1000) + (600 if r["round"] == 1 else 0)
+        headers = (10_000 if strategy == "scaffold" else 5000) if strategy in FEDAVG_FAMILY else 1000
+        limit = payload[kind] + headers + (600 if r["round"] == 1 else 0)
         assert payload[kind] < per_reply < limit, (kind, per_reply)
         assert r["accuracy"] is not None and r["train_loss"] > 0
     summary = json.loads((tmp_path / "summary.json").read_text())
