@@ -175,3 +175,22 @@ def test_scaffold_federation_sends_two_models_each_way(fake_data: str, tmp_path:
     assert 2 * model < rows[0]["bytes_down"] < 2 * model + 10_000
     assert all(2 * 2 * model < r["bytes_down"] < 2 * 2 * model + 20_000 for r in rows[1:])
     assert all(np.isfinite(a).all() for a in result.arrays.to_numpy_ndarrays())
+
+
+def test_client_refuses_a_malformed_c_and_keeps_its_own(fake_data: str) -> None:
+    # Prepare: a node with cᵢ after round 1; round 2's c has a non-finite value
+    cfg = _config(fake_data, "scaffold")
+    strategy = build_strategy(read_config(cfg))
+    strategy.min_train_nodes = strategy.min_available_nodes = 1
+    grid = LocalGrid(client_app, 1, run_config=cfg)
+    x = seeded_net(0).state_dict()
+    delta = _round(strategy, grid, cfg, 1, x).content[CONTROL]
+    strategy.control = {k: np.zeros(a.shape, np.float32) for k, a in delta.items()}
+    strategy.control["classifier.3.bias"][4] = np.inf
+    before = {k: a.numpy().copy() for k, a in grid.context(grid.node_ids[0]).state[OWN_CONTROL].items()}
+    # Execute
+    reply = _round(strategy, grid, cfg, 2, x)
+    # Assert: an error naming the variate; cᵢ unchanged
+    assert reply.has_error() and "control variate 'classifier.3.bias'" in reply.error.reason
+    after = grid.context(grid.node_ids[0]).state[OWN_CONTROL]
+    assert all(np.array_equal(after[k].numpy(), v) for k, v in before.items())

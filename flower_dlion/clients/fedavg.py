@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
 from torch import nn
 
 from ..data import to_tensor
@@ -52,7 +52,8 @@ def train(msg: Message, context: Context) -> Message:
     mu = float(round_config.get("proximal-mu", 0.0))
     scaffold = settings["strategy"] == "scaffold"
     anchor = [p.detach().clone() for p in model.parameters()] if mu > 0 or scaffold else []
-    correction = _correction(msg, context, model, device) if scaffold else {}
+    controls = _controls(msg, context, model) if scaffold else {}  # before training: a refusal keeps the state
+    correction = {name: torch.from_numpy(c - ci).to(device) for name, (c, ci) in controls.items()}
     steps = 0
     model.train()
     total, seen = 0.0, 0
@@ -80,7 +81,8 @@ def train(msg: Message, context: Context) -> Message:
         state = _attack(msg.content["arrays"].to_torch_state_dict(), state, settings, rng)
     records = {}
     if scaffold:
-        records[CONTROL] = _control_delta(msg, context, model, anchor, steps, round_config)
+        factor = (1.0 - float(round_config["momentum"])) / (max(steps, 1) * float(round_config["lr"]))
+        records[CONTROL] = _control_delta(controls, context, model, anchor, factor)
     reply = RecordDict(
         {
             **records,
@@ -96,8 +98,8 @@ def train(msg: Message, context: Context) -> Message:
     return Message(content=reply, reply_to=msg)
 
 
-def _correction(msg: Message, context: Context, model: nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
-    """SCAFFOLD's c − cᵢ per parameter name (c: zeros when the message has none; cᵢ: zeros at first)."""
+def _controls(msg: Message, context: Context, model: nn.Module) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """SCAFFOLD's (c, cᵢ) per parameter name: c from the message, cᵢ from ``context.state``, zeros where absent."""
     server = msg.content[CONTROL] if CONTROL in msg.content else ArrayRecord()
     own = context.state[OWN_CONTROL] if OWN_CONTROL in context.state else ArrayRecord()
     out = {}
@@ -105,22 +107,25 @@ def _correction(msg: Message, context: Context, model: nn.Module, device: torch.
         c = server[name].numpy() if name in server else np.zeros(p.shape, np.float32)
         ci = own[name].numpy() if name in own else np.zeros(p.shape, np.float32)
         if c.shape != tuple(p.shape) or not np.isfinite(c).all():
-            raise ClientStateError(f"node {context.node_id}: control '{name}' {c.shape} not finite of {tuple(p.shape)}")
-        out[name] = torch.from_numpy(c - ci).to(device)
+            raise ClientStateError(
+                f"node {context.node_id}: the server's control variate {name!r} has shape {c.shape} (the "
+                f"parameter's: {tuple(p.shape)}) or non-finite values: refused"
+            )
+        out[name] = (c, ci)
     return out
 
 
 def _control_delta(
-    msg: Message, context: Context, model: nn.Module, anchor: list[torch.Tensor], steps: int, round_config: ConfigRecord
+    controls: dict[str, tuple[np.ndarray, np.ndarray]],
+    context: Context,
+    model: nn.Module,
+    anchor: list[torch.Tensor],
+    factor: float,
 ) -> ArrayRecord:
-    """Δcᵢ = cᵢ⁺ − cᵢ with cᵢ⁺ = cᵢ − c + (1 − β)·(x − y)/(K·η); cᵢ⁺ is kept in ``context.state``."""
-    server = msg.content[CONTROL] if CONTROL in msg.content else ArrayRecord()
-    own = context.state[OWN_CONTROL] if OWN_CONTROL in context.state else ArrayRecord()
-    factor = (1.0 - float(round_config["momentum"])) / (max(steps, 1) * float(round_config["lr"]))
+    """Δcᵢ = cᵢ⁺ − cᵢ with cᵢ⁺ = cᵢ − c + factor·(x − y), factor = (1 − β)/(K·η); cᵢ⁺ goes to ``context.state``."""
     delta, updated = {}, {}
     for (name, p), x in zip(model.named_parameters(), anchor, strict=True):
-        c = server[name].numpy() if name in server else np.zeros(p.shape, np.float32)
-        ci = own[name].numpy() if name in own else np.zeros(p.shape, np.float32)
+        c, ci = controls[name]
         d = (-c + factor * (x - p.detach()).cpu().numpy()).astype(np.float32)
         delta[name], updated[name] = Array(d), Array((ci + d).astype(np.float32))
     context.state[OWN_CONTROL] = ArrayRecord(updated)
