@@ -3,7 +3,9 @@
 The public API is two classes, one per side of a Flower app:
 
 * :class:`DistributedLion`, the ``Strategy`` your ``ServerApp`` starts (as Flower's ``FedAvg``);
-* :class:`DLionClient`, which your ``ClientApp``'s train handler calls with its batches.
+* :class:`DLionClient`, which your ``ClientApp``'s train handler calls with its batches;
+
+and :func:`cosine_decay`, a learning-rate schedule for ``DistributedLion(lr_schedule=...)``.
 
 The bit codec (:mod:`flower_dlion.codec`) and the Lion math (:mod:`flower_dlion.lion`) import
 only torch and numpy; :mod:`flower_dlion.params` maps any ``nn.Module`` onto the flat vector x.
@@ -17,9 +19,10 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .clients.dlion import ClientSettings, DLionClient
+    from .lion import cosine_decay
     from .strategies.dlion import DistributedLion
 
-__all__ = ["ClientSettings", "DLionClient", "DistributedLion", "__version__"]
+__all__ = ["ClientSettings", "DLionClient", "DistributedLion", "__version__", "cosine_decay"]
 
 __version__ = "0.2.0"
 
@@ -27,6 +30,7 @@ _LAZY = {
     "ClientSettings": ".clients.dlion",
     "DLionClient": ".clients.dlion",
     "DistributedLion": ".strategies.dlion",
+    "cosine_decay": ".lion",
 }
 
 
