@@ -194,3 +194,12 @@ def test_client_refuses_a_malformed_c_and_keeps_its_own(fake_data: str) -> None:
     assert reply.has_error() and "control variate 'classifier.3.bias'" in reply.error.reason
     after = grid.context(grid.node_ids[0]).state[OWN_CONTROL]
     assert all(np.array_equal(after[k].numpy(), v) for k, v in before.items())
+
+
+def test_a_round_without_a_valid_reply_changes_neither_x_nor_c() -> None:
+    strategy = _started([1, 2])
+    # Execute: both replies carry a Δc of the wrong dtype
+    arrays, _ = strategy.aggregate_train(1, [_reply(n, 5.0, {"w": np.ones(3, np.float64)}) for n in (1, 2)])
+    # Assert
+    assert arrays is None
+    np.testing.assert_array_equal(strategy.control["w"], [1.0, 1.0, 1.0])
