@@ -7,10 +7,10 @@
    which reads two tensors and writes one. In a process that calls them repeatedly (as here)
    the CPU kernels run on torch's own OpenMP team; the last column is the pack on the
    codec's own threads instead.
-2. Server aggregation of n packed payloads: the vote (``codec.vote_masks``: bit-sliced,
-   never unpacked) and the mean (``codec.count_planes``: its planes are the mean's encoded
-   levels) against an XOR-reduce over the same packed bytes (``acc ^= payload`` on int64
-   words) and against the naive form: unpack each payload to bytes and add it to an int16
+2. Server aggregation of n packed payloads: the vote (``codec.count_planes`` then
+   ``codec.majority_masks``: bit-sliced, never unpacked) and the mean (``codec.count_planes``:
+   its planes are the mean's encoded levels) against an XOR-reduce over the same packed bytes
+   (``acc ^= payload`` on int64 words) and against the naive form: unpack each payload to bytes and add it to an int16
    counter, then sign / encode; the vote also with numpy instead of the kernels.
 3. The int32 vote counts (``codec.count_ones``: the sum S = 2·count − n comes from it; the
    strategy's count when it quantizes Δ) with the kernels and with numpy, against writing d
@@ -53,7 +53,8 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from flower_dlion import codec, lion
+from flower_dlion import accel, codec, lion
+from flower_dlion.accel import threads
 
 HAVE_NUMBA = importlib.util.find_spec("numba") is not None
 MIN_SECONDS = 0.2  # timeit's calls add up to at least this
@@ -62,23 +63,23 @@ MIN_SECONDS = 0.2  # timeit's calls add up to at least this
 @contextmanager
 def kernels(mode: str) -> Iterator[None]:
     """Run the codec with ``FLOWER_DLION_KERNELS=mode``."""
-    old = os.environ.get(codec.KERNELS_ENV, "auto")
-    os.environ[codec.KERNELS_ENV] = mode
+    old = os.environ.get(accel.KERNELS_ENV, "auto")
+    os.environ[accel.KERNELS_ENV] = mode
     try:
         yield
     finally:
-        os.environ[codec.KERNELS_ENV] = old
+        os.environ[accel.KERNELS_ENV] = old
 
 
 @contextmanager
 def own_threads() -> Iterator[None]:
     """Run the CPU kernels on the codec's own threads, never on torch's OpenMP team."""
-    old = codec._TEAM_AFTER
-    codec._TEAM_AFTER = 1 << 30
+    old = threads.TEAM_AFTER
+    threads.TEAM_AFTER = 1 << 30
     try:
         yield
     finally:
-        codec._TEAM_AFTER = old
+        threads.TEAM_AFTER = old
 
 
 def timeit(fn: Callable[..., object], args: tuple, repeat: int, device: torch.device) -> float:
@@ -87,9 +88,9 @@ def timeit(fn: Callable[..., object], args: tuple, repeat: int, device: torch.de
     Calls go on until they add up to ``MIN_SECONDS`` too (at most 2000 calls): the median
     of a few calls of 0.05 ms moves by 2× between runs on a virtual machine. The warm-up
     takes the codec's CPU kernels past the calls they make on the codec's own threads
-    (``codec._TEAM_AFTER``) onto torch's team, where a process that calls them repeatedly runs them.
+    (``accel.threads.TEAM_AFTER``) onto torch's team, where a process that calls them repeatedly runs them.
     """
-    for _ in range(min(codec._TEAM_AFTER, 8) + 1):  # own_threads() sets it out of reach
+    for _ in range(min(threads.TEAM_AFTER, 8) + 1):  # own_threads() sets it out of reach
         fn(*args)
     times: list[float] = []
     while len(times) < repeat or (sum(times) < MIN_SECONDS and len(times) < 2000):
@@ -193,6 +194,11 @@ def naive_counts(payloads: list[torch.Tensor], d: int) -> torch.Tensor:
     return counts
 
 
+def vote(payloads: list[torch.Tensor], d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The vote's packed masks (S > 0, S = 0) as the server forms them: the count planes, compared bit-sliced."""
+    return codec.majority_masks(codec.count_planes(payloads, d), len(payloads), d)
+
+
 def xor_reduce(words: list[torch.Tensor]) -> torch.Tensor:
     """The reference: XOR of the payloads, 64 bits at a time."""
     acc = words[0].clone()
@@ -286,10 +292,10 @@ def bench_aggregate(
             words = [x.view(torch.int64) for x in p]
             t_xor = timeit(xor_reduce, (words,), repeat, device)
             with kernels("on" if HAVE_NUMBA or device.type == "cuda" else "off"):
-                t_vote = timeit(codec.vote_masks, (p, d), repeat, device)
+                t_vote = timeit(vote, (p, d), repeat, device)
                 t_mean = timeit(codec.count_planes, (p, d), repeat, device)
             with kernels("off"):
-                t_numpy = timeit(codec.vote_masks, (p, d), repeat, device)
+                t_numpy = timeit(vote, (p, d), repeat, device)
             row = f"| {d:.0e} | {n} | {t_xor * 1e3:.3f} ms | {t_vote * 1e3:.3f} ms | **{t_vote / t_xor:.2f}×** "
             row += f"| {t_mean * 1e3:.3f} ms | **{t_mean / t_xor:.2f}×** | {t_numpy / t_xor:.2f}× "
             if n * d <= naive_limit:

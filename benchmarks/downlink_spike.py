@@ -57,7 +57,7 @@ def entropy(rounds: int) -> None:
     kept: list[tuple[int, bytes, int]] = []
     remember = dlion.DistributedLion._remember
 
-    def spy(self: dlion.DistributedLion, broadcast: dlion._Broadcast) -> None:
+    def spy(self: dlion.DistributedLion, broadcast: dlion.Broadcast) -> None:
         kept.append((broadcast.num_levels, broadcast.payload, self.num_parameters))
         remember(self, broadcast)
 

@@ -32,7 +32,7 @@ import torch
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 
-from flower_dlion import codec, lion
+from flower_dlion import accel, codec, lion
 from flower_dlion.client_app import app as client_app
 from flower_dlion.local_grid import LocalGrid
 from flower_dlion.model import Net
@@ -136,7 +136,7 @@ def main() -> None:
     logging.getLogger("flwr").setLevel(logging.WARNING)
     print(
         f"# GPU clients: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-        f"{platform.machine()}, {os.cpu_count()} CPUs, kernels {os.environ.get(codec.KERNELS_ENV, 'auto')}"
+        f"{platform.machine()}, {os.cpu_count()} CPUs, kernels {os.environ.get(accel.KERNELS_ENV, 'auto')}"
     )
     for settings in (
         {"strategy": "dlion-vote"},

@@ -20,7 +20,7 @@ import torch
 import triton
 
 from flower_dlion import codec
-from flower_dlion import gpu_kernels as gk
+from flower_dlion.accel import triton_kernels as gk
 
 dev = torch.device(sys.argv[1] if len(sys.argv) > 1 else "cuda")
 cuda = dev.type == "cuda"

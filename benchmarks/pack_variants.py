@@ -11,7 +11,7 @@ when it is compiled (``kernels._AVX2_PACKS``, from the CPU numba compiles for):
   ±0 or NaN (x86-64 with AVX2 only).
 
 Each is compiled here afresh (not from numba's cache) and timed, alternating, on one
-thread and on torch's OpenMP team (where the codec runs it: ``kernels.Team``, without the
+thread and on torch's OpenMP team (where the codec runs it: ``numba_team.Team``, without the
 codec's Python around it), against ``v.sum()`` on torch's threads and on one thread,
 measured in the same rounds. The codec's whole call is ``benchmarks/codec_speed.py``'s
 section 1. Usage::
@@ -33,7 +33,9 @@ import numba
 import numpy as np
 import torch
 
-from flower_dlion import codec, kernels
+from flower_dlion import codec
+from flower_dlion.accel import numba_pack as kernels
+from flower_dlion.accel import numba_team
 
 MIN_SECONDS = 0.2  # each measurement: the median of as many calls as fill this (at least 20)
 BLOCK = kernels.BLOCK
@@ -63,7 +65,7 @@ def compiled(avx2: bool) -> Callable[..., bool]:
     return pack
 
 
-def measure(d: int, variants: dict[str, Callable[..., bool]], team: kernels.Team, rounds: int) -> dict[str, float]:
+def measure(d: int, variants: dict[str, Callable[..., bool]], team: numba_team.Team, rounds: int) -> dict[str, float]:
     """Median seconds over ``rounds`` alternating rounds: the sums, each formulation on one thread and on the team.
 
     The team has all of torch's threads, as the codec's pack at this size would.
@@ -83,8 +85,8 @@ def measure(d: int, variants: dict[str, Callable[..., bool]], team: kernels.Team
             if pack(host, out, 0, groups) or not np.array_equal(out, np.packbits(host > 0)):
                 raise AssertionError(f"{name}: wrong bits")
             times.setdefault(name, []).append(median_seconds(lambda p=pack: p(host, out, 0, groups)))
-            task = kernels._pack_task(pack)  # the codec's task with this formulation
-            on_team = functools.partial(team.run, kernels._launch_pack, task, threads, host, out)
+            task = numba_team._pack_task(pack)  # the codec's task with this formulation
+            on_team = functools.partial(team.run, numba_team._launch_pack, task, threads, host, out)
             times.setdefault(f"{name}, team", []).append(median_seconds(on_team))
     return {k: statistics.median(x) for k, x in times.items()}
 
@@ -102,7 +104,7 @@ def main() -> None:
         f"torch {torch.__version__} ({threads} threads), numba {numba.__version__}; "
         f"this CPU uses: {'AVX2 packs' if kernels._AVX2_PACKS else 'compare'}\n"
     )
-    team = kernels.Team()  # torch's OpenMP team (AttributeError where torch does not run on OpenMP)
+    team = numba_team.Team()  # torch's OpenMP team (AttributeError where torch does not run on OpenMP)
     variants = {"compare": compiled(False)}
     if platform.machine().lower() in ("x86_64", "amd64") and features.get("avx2"):
         variants["AVX2 packs"] = compiled(True)

@@ -40,7 +40,7 @@ import torch
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 
-from flower_dlion import local_grid, metering, params, server_app
+from flower_dlion import codec, lion, local_grid, metering, params, server_app
 from flower_dlion.clients import dlion as dlion_client
 from flower_dlion.clients import fedavg as fedavg_client
 from flower_dlion.clients import gradient as gradient_client
@@ -83,9 +83,9 @@ def instrument() -> None:
     patch(fedavg_client, "train", "fedavg local training")
     for name in ("apply_message",):
         patch(dlion_client, name, "client Lion/codec")
-    patch(dlion_client.lion, "local_step_", "client Lion/codec")
-    patch(dlion_client.codec, "pack_signs", "client Lion/codec")
-    patch(dlion_client.codec, "pack_local_step_", "client Lion/codec")
+    patch(lion, "local_step_", "client Lion/codec")
+    patch(codec, "pack_signs", "client Lion/codec")
+    patch(codec, "pack_local_step_", "client Lion/codec")
     patch(gradient_client, "encode_terngrad", "client Lion/codec")
     for name in ("load", "save"):
         patch(state.StateStore, name, "client state (de)serialization")

@@ -84,10 +84,10 @@ def profile_vote(d: int, n: int, repeat: int, rng: np.random.Generator) -> None:
     stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
     cumulative = {f"{Path(file).name}:{name}": entry[3] for (file, _, name), entry in stats.items()}
     total = cumulative["dlion.py:aggregate_train"]
-    parts = ["protocol.py:message_bytes", "dlion.py:_check_reply", "codec.py:aggregate_packed"]
-    parts += ["codec.py:apply_levels_", "common.py:arrays"]
-    inner = [f"codec.py:{name}" for name in ("count_planes", "majority_masks", "_levels_from_planes")]
-    inner += ["codec.py:encode_levels", "codec.py:_popcount"]
+    parts = ["protocol.py:message_bytes", "aggregation.py:_check_reply", "votes.py:aggregate_packed"]
+    parts += ["quantizers.py:apply_delta_", "downlink.py:apply", "common.py:arrays"]
+    inner = ["votes.py:count_planes", "votes.py:majority_masks", "levels.py:_levels_from_planes"]
+    inner += ["levels.py:encode_levels", "votes.py:_popcount"]
 
     def shares(keys: list[str]) -> str:
         return ", ".join(f"{key.split(':')[1]} {100 * cumulative.get(key, 0.0) / total:.0f}%" for key in keys)

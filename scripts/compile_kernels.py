@@ -1,9 +1,9 @@
-"""Compile every Triton kernel of ``flower_dlion.gpu_kernels`` for NVIDIA GPUs, on a machine without one.
+"""Compile every Triton kernel of ``flower_dlion.accel.triton_kernels`` for NVIDIA GPUs, on a machine without one.
 
 The tests run the kernels in Triton's interpreter when there is no GPU, which checks their
 arithmetic but not that Triton and ``ptxas`` accept them: the interpreter runs Python, the
 compiler types every value and lowers every operation. This script goes through the real
-compiler. It calls each launcher of :mod:`flower_dlion.gpu_kernels` with CPU tensors, as the
+compiler. It calls each launcher of :mod:`flower_dlion.accel.triton_kernels` with CPU tensors, as the
 codec calls it on a GPU, and where the launcher would launch a kernel it only compiles it,
 with Triton's own argument binding and specialization (``JITFunction.warmup``), for a target
 GPU named here instead of the one a driver would report: Triton IR → LLVM → PTX → cubin
@@ -131,18 +131,18 @@ def _reasons(exc: BaseException | None) -> str:
 
 @contextlib.contextmanager
 def _compiling_for(arch: int, out: list[Compiled]) -> Iterator[Any]:
-    """Point Triton at ``arch`` and make every kernel launch of ``gpu_kernels`` a compile only."""
+    """Point Triton at ``arch`` and make every kernel launch of ``triton_kernels`` a compile only."""
     from triton.runtime import driver
 
-    from flower_dlion import gpu_kernels as gk
+    from flower_dlion.accel import triton_kernels as gk
 
     names = ("_pack_positive", "_lion_pack", "_apply_levels", "_count_votes", "_count_sliced")
     variants: dict[str, Callable[..., str]] = {  # how each compiled variant is named in the table
         "_pack_positive": lambda *a, BYTES, **kw: f"BYTES={BYTES}",
         "_lion_pack": lambda *a, BYTES, **kw: f"BYTES={BYTES}",
         "_apply_levels": lambda x, k, *a, BLOCK, **kw: f"BLOCK={BLOCK}, {str(k.dtype).removeprefix('torch.')} levels",
-        "_count_votes": lambda *a, WHAT, PLANES, **kw: f"WHAT={WHAT} PLANES={PLANES}",
-        "_count_sliced": lambda *a, WHAT, PLANES, **kw: f"WHAT={WHAT} PLANES={PLANES}",
+        "_count_votes": lambda *a, COUNTS, PLANES, **kw: f"{'counts' if COUNTS else 'planes'} PLANES={PLANES}",
+        "_count_sliced": lambda *a, PLANES, **kw: f"PLANES={PLANES}",
     }
     saved = {name: getattr(gk, name) for name in names}
     previous = driver._active  # None until a real driver was asked for (and none exists without a GPU)
@@ -163,9 +163,9 @@ def compile_all(arch: int) -> list[Compiled]:
     """Compile, for ``sm_<arch>``, every kernel variant the codec launches.
 
     The variants: the pack and the fused Lion step; the apply with uint8 and with int32
-    levels; the bit-sliced count for the vote's masks and the mean's planes with 1, 2, 6
-    and 12 bit planes (n = 1, 2, 63 and 4,095 payloads); the per-value count for the int32
-    counts and for more than 4,095 payloads.
+    levels; the bit-sliced count planes (the vote's and the mean's) with 1, 2, 6 and 12 bit
+    planes (n = 1, 2, 63 and 4,095 payloads); the per-value count for the int32 counts and
+    for the planes of more than 4,095 payloads.
 
     Parameters
     ----------
@@ -191,7 +191,6 @@ def compile_all(arch: int) -> list[Compiled]:
         payload = torch.zeros(nbytes, dtype=torch.uint8)
         for n in (1, 2, 63, 4095):
             payloads = [payload] * n
-            gk.vote_masks(payloads, d)
             gk.count_planes(payloads, d)
         gk.count_ones([payload] * 3, d)
         gk.count_planes([payload] * 4096, d)

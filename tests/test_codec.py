@@ -15,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import flower_dlion
-from flower_dlion import codec, lion
+from flower_dlion import accel, codec, lion
+from flower_dlion.accel import probes, threads
 
 HAVE_NUMBA = importlib.util.find_spec("numba") is not None
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
@@ -27,15 +28,15 @@ MODES = ["off", pytest.param("on", marks=pytest.mark.skipif(not HAVE_NUMBA, reas
 @contextmanager
 def kernels(mode: str) -> Iterator[None]:
     """Run the codec with FLOWER_DLION_KERNELS=mode (hypothesis tests cannot use monkeypatch)."""
-    old = os.environ.get(codec.KERNELS_ENV)
-    os.environ[codec.KERNELS_ENV] = mode
+    old = os.environ.get(accel.KERNELS_ENV)
+    os.environ[accel.KERNELS_ENV] = mode
     try:
         yield
     finally:
         if old is None:
-            del os.environ[codec.KERNELS_ENV]
+            del os.environ[accel.KERNELS_ENV]
         else:
-            os.environ[codec.KERNELS_ENV] = old
+            os.environ[accel.KERNELS_ENV] = old
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -63,7 +64,7 @@ def test_layout_matches_numpy_packbits(d: int) -> None:
 @pytest.mark.parametrize("mode", MODES)
 def test_pack_bits_hand_computed(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # +1 −1 −1 −1 −1 −1 −1 +1 | +1 +1 (padding zeros)
-    monkeypatch.setenv(codec.KERNELS_ENV, mode)
+    monkeypatch.setenv(accel.KERNELS_ENV, mode)
     v = torch.tensor([1.0, -1, -1, -1, -1, -1, -1, 1, 1, 1])
     assert codec.pack_signs(v).tolist() == [0b1000_0001, 0b1100_0000]
 
@@ -71,7 +72,7 @@ def test_pack_bits_hand_computed(mode: str, monkeypatch: pytest.MonkeyPatch) -> 
 @pytest.mark.parametrize("mode", MODES)
 def test_threaded_pack_returns_only_when_every_chunk_is_written(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # Prepare: zeros in the first chunk (the first worker reports them first), 2·10⁶ values
-    monkeypatch.setenv(codec.KERNELS_ENV, mode)
+    monkeypatch.setenv(accel.KERNELS_ENV, mode)
     torch.set_num_threads(2)  # exactly two, also on a many-core machine
     v = torch.randn(2_000_000, generator=torch.Generator().manual_seed(1))
     v[:100] = 0.0
@@ -85,7 +86,7 @@ def test_threaded_pack_returns_only_when_every_chunk_is_written(mode: str, monke
 
 @pytest.mark.parametrize("mode", MODES)
 def test_zeros_are_coin_flips_not_one_side(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(codec.KERNELS_ENV, mode)
+    monkeypatch.setenv(accel.KERNELS_ENV, mode)
     zeros = torch.zeros(80_000)
     bits = codec.unpack_bits(codec.pack_signs(zeros, torch.Generator().manual_seed(0)), zeros.numel())
     assert 0.49 < bits.float().mean().item() < 0.51  # unbiased, not all one way
@@ -132,7 +133,7 @@ def test_zeros_take_their_bits_of_their_groups_64_bit_word(mode: str, every: int
 def test_zero_masks_from_every_thread_and_chunk(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # Prepare: 3·2²⁰ + 13 values on two threads (several numpy chunks; kernel parts on the team from the
     # fourth call on), zeros scattered over all of them, half of one 64-value group and its neighbours zero
-    monkeypatch.setenv(codec.KERNELS_ENV, mode)
+    monkeypatch.setenv(accel.KERNELS_ENV, mode)
     torch.set_num_threads(2)
     gen = torch.Generator().manual_seed(3)
     d = 3 * 2**20 + 13
@@ -196,7 +197,7 @@ def test_mean_bits_per_value_is_ceil_log2_n_plus_1() -> None:
 @pytest.mark.parametrize("mode", MODES)
 def test_trit5_hand_computed(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # levels 2,0,1,1,2 → 2 + 0·3 + 1·9 + 1·27 + 2·81 = 200; 242 = 22222₃; 13 = 111₃ (levels 1,1,1,0,0)
-    monkeypatch.setenv(codec.KERNELS_ENV, mode)
+    monkeypatch.setenv(accel.KERNELS_ENV, mode)
     assert codec.encode_levels(torch.tensor([2, 0, 1, 1, 2]), 3).tolist() == [200]
     assert codec.decode_levels(bytes([200, 242, 13]), 3, 13).tolist() == [2, 0, 1, 1, 2] + [2] * 5 + [1, 1, 1]
     with pytest.raises(ValueError, match="above 242"):
@@ -206,7 +207,7 @@ def test_trit5_hand_computed(mode: str, monkeypatch: pytest.MonkeyPatch) -> None
 @pytest.mark.parametrize("mode", MODES)
 def test_corrupted_planes_are_rejected(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # 5 levels use 3 bit planes; level 7 cannot occur (likewise 300 levels: 9 planes, level 511)
-    monkeypatch.setenv(codec.KERNELS_ENV, mode)
+    monkeypatch.setenv(accel.KERNELS_ENV, mode)
     bad = codec.encode_levels(torch.tensor([7, 0, 0]), 8)
     with pytest.raises(ValueError, match="level above 4"):
         codec.decode_levels(bad, 5, 3)
@@ -240,7 +241,7 @@ def test_levels_to_values_is_correctly_rounded_on_every_device(device: str) -> N
 
 @pytest.mark.parametrize("mode", MODES)
 def test_count_ones_hand_computed(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(codec.KERNELS_ENV, mode)
+    monkeypatch.setenv(accel.KERNELS_ENV, mode)
     a = codec.pack_signs(torch.tensor([1.0, 1, -1, -1, 1, -1, 1, -1, 1]))
     b = codec.pack_signs(torch.tensor([1.0, -1, -1, 1, 1, -1, -1, -1, 1]))
     c = codec.pack_signs(torch.tensor([-1.0, -1, -1, 1, 1, 1, 1, -1, 1]))
@@ -252,7 +253,7 @@ def test_count_ones_hand_computed(mode: str, monkeypatch: pytest.MonkeyPatch) ->
 @pytest.mark.parametrize("mode", MODES)
 def test_count_planes_hand_computed_are_the_bits_of_the_counts(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # counts [2, 1, 0, 2, 3, 1, 2, 0, 3] (as above): bit 0 = [0,1,0,0,1,1,0,0,1], bit 1 = [1,0,0,1,1,0,1,0,1]
-    monkeypatch.setenv(codec.KERNELS_ENV, mode)
+    monkeypatch.setenv(accel.KERNELS_ENV, mode)
     a = codec.pack_signs(torch.tensor([1.0, 1, -1, -1, 1, -1, 1, -1, 1]))
     b = codec.pack_signs(torch.tensor([1.0, -1, -1, 1, 1, -1, -1, -1, 1]))
     c = codec.pack_signs(torch.tensor([-1.0, -1, -1, 1, 1, 1, 1, -1, 1]))
@@ -266,7 +267,6 @@ def test_count_planes_hand_computed_are_the_bits_of_the_counts(mode: str, monkey
     gt, tie = codec.majority_masks(planes, 3, 9)  # count > 3/2: the vote's +1
     assert codec.unpack_bits(gt, 9).int().tolist() == [1, 0, 0, 1, 1, 0, 1, 0, 1]
     assert not codec.unpack_bits(tie, 9).any()  # no ties between 3 voters
-    assert all(torch.equal(x, y) for x, y in zip(codec.vote_masks([a, b, c], 9), (gt, tie), strict=True))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -295,7 +295,6 @@ def test_bit_sliced_counts_and_majority_equal_the_unpacked_sum(
         planes = codec.count_planes(payloads, d, chunk_words=chunk)
         gt, tie = codec.majority_masks(planes, n, d)
         counts = codec.count_ones(payloads, d)
-        masks = codec.vote_masks(payloads, d)
     # Assert: the reference is the n × d sum the bit-sliced counter never builds
     expected = bits.sum(axis=0)
     assert planes.shape == (n.bit_length(), (d + 7) // 8)
@@ -303,7 +302,6 @@ def test_bit_sliced_counts_and_majority_equal_the_unpacked_sum(
     np.testing.assert_array_equal(counts.numpy(), expected)
     np.testing.assert_array_equal(codec.unpack_bits(gt, d).numpy(), 2 * expected > n)
     np.testing.assert_array_equal(codec.unpack_bits(tie, d).numpy(), 2 * expected == n)
-    assert torch.equal(masks[0], gt) and torch.equal(masks[1], tie)
 
 
 def _aggregate_by_the_sum(payloads: list[bytes], d: int, how: str) -> codec.PackedAggregate:
@@ -419,7 +417,7 @@ SPECIALS = [0.0, -0.0, float("nan"), -float("nan"), float("inf"), -float("inf"),
 def test_both_pack_formulations_equal_numpy_and_the_composition(avx2: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     import numba
 
-    from flower_dlion import kernels as real
+    from flower_dlion.accel import numba_pack as real
 
     # Prepare: both ways of packing 64 signs, compiled afresh (the codec's kernels use the one for this CPU).
     # Group 0 is hand-computed; groups 1–640 hold one special value each, at every lane in turn (these
@@ -457,7 +455,7 @@ def test_both_pack_formulations_equal_numpy_and_the_composition(avx2: bool, monk
     mix = lion.local_step_(m_ref, torch.from_numpy(g), 0.9, 0.99).numpy()
     out, zeros = np.zeros(codec.packed_size(d), np.uint8), np.full(-(-d // 64), 2**64 - 1, np.uint64)
     # Execute
-    found = lion_pack(m, g, codec._lion_coefs(0.9, 0.99), out, zeros, 0, zeros.size)
+    found = lion_pack(m, g, probes.lion_coefs(0.9, 0.99), out, zeros, 0, zeros.size)
     # Assert: δ's bits, the zero directions (mix 0 or NaN; packed as the bits are), the momentum
     tie = np.unpackbits(zeros.view(np.uint8))[:d].astype(bool)
     assert np.array_equal(out, np.packbits(mix > 0))
@@ -469,7 +467,7 @@ def test_avx2_packs_are_chosen_by_the_cpu_numba_compiles_for(monkeypatch: pytest
     pytest.importorskip("numba")
     import numba
 
-    from flower_dlion import kernels as real
+    from flower_dlion.accel import numba_pack as real
 
     # Execute / Assert: AVX2 without AVX-512 BW only, on x86-64 only
     monkeypatch.setattr(real.platform, "machine", lambda: "x86_64")
@@ -482,16 +480,16 @@ def test_avx2_packs_are_chosen_by_the_cpu_numba_compiles_for(monkeypatch: pytest
 
 
 def _record_thread_parts(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
-    """Make ``codec._on_threads`` record (items, parts) of every call into the returned list."""
+    """Make ``threads.on_threads`` record (items, parts) of every call into the returned list."""
     calls: list[tuple[int, int]] = []
-    real = codec._on_threads
+    real = threads.on_threads
 
     def spy(work: Callable[[int, int], object], total: int, grain: int) -> list[object]:
         out = real(work, total, grain)
         calls.append((total, len(out)))
         return out
 
-    monkeypatch.setattr(codec, "_on_threads", spy)
+    monkeypatch.setattr(threads, "on_threads", spy)
     return calls
 
 
@@ -500,21 +498,20 @@ def _record_thread_parts(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int
 def test_kernel_counts_on_two_threads_with_a_partial_last_word(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
     # Prepare: d = 10⁶ + 3 (⌈d/8⌉ = 125,001 bytes: one partial word), two threads even for a few payloads
     torch.set_num_threads(2)  # exactly two, also on a many-core machine
-    monkeypatch.setattr(codec, "_COUNT_GRAIN", 1 << 15)
-    monkeypatch.setattr(codec, "_TEAM_AFTER", 1 << 30)  # the codec's own threads (torch's team: its own test)
+    monkeypatch.setattr(accel.cpu, "_COUNT_GRAIN", 1 << 15)
+    monkeypatch.setattr(threads, "TEAM_AFTER", 1 << 30)  # the codec's own threads (torch's team: its own test)
     d = 1_000_003
     rng = np.random.default_rng(n)
     payloads = [rng.integers(0, 256, codec.packed_size(d), dtype=np.uint8).tobytes() for _ in range(n)]
     with kernels("off"):
-        expected = (codec.count_planes(payloads, d), codec.count_ones(payloads, d), codec.vote_masks(payloads, d))
+        expected = (codec.count_planes(payloads, d), codec.count_ones(payloads, d))
     parts = _record_thread_parts(monkeypatch)
     # Execute
     with kernels("on"):
-        got = (codec.count_planes(payloads, d), codec.count_ones(payloads, d), codec.vote_masks(payloads, d))
+        got = (codec.count_planes(payloads, d), codec.count_ones(payloads, d))
     # Assert: each count ran on two parts, and the results are numpy's
-    assert parts == [(codec.packed_size(d) // 8, 2)] * 3  # the whole words; the partial one after them
+    assert parts == [(codec.packed_size(d) // 8, 2)] * 2  # the whole words; the partial one after them
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
-    assert torch.equal(got[2][0], expected[2][0]) and torch.equal(got[2][1], expected[2][1])
 
 
 @pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
@@ -614,23 +611,23 @@ def test_fused_step_on_two_threads_with_zero_directions_and_a_partial_group() ->
 @pytest.fixture
 def team(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The kernels on torch's OpenMP team from the first call, two threads from 64 values; counts its runs."""
-    from flower_dlion import kernels as real
+    from flower_dlion.accel.numba_team import Team
 
     if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
         pytest.skip("torch does not run on OpenMP here")
     torch.set_num_threads(2)  # exactly two, also on a many-core machine
-    monkeypatch.setenv(codec.KERNELS_ENV, "on")
-    monkeypatch.setattr(codec, "_TEAM_AFTER", 0)
-    monkeypatch.setattr(codec, "_TEAM_GRAIN", 32)
-    monkeypatch.setattr(codec, "_TEAM_COUNT_GRAIN", 1 << 10)
+    monkeypatch.setenv(accel.KERNELS_ENV, "on")
+    monkeypatch.setattr(threads, "TEAM_AFTER", 0)
+    monkeypatch.setattr(threads, "TEAM_GRAIN", 32)
+    monkeypatch.setattr(threads, "TEAM_COUNT_GRAIN", 1 << 10)
     runs: list[int] = []
-    run = real.Team.run
+    run = Team.run
 
     def counted(self: object, launch: object, task: object, threads: int, *operands: object) -> object:
         runs.append(threads)
         return run(self, launch, task, threads, *operands)
 
-    monkeypatch.setattr(real.Team, "run", counted)
+    monkeypatch.setattr(Team, "run", counted)
     return runs
 
 
@@ -670,12 +667,12 @@ def test_vote_counts_on_torchs_team_equal_numpys(n: int, team: list[int]) -> Non
     rng = np.random.default_rng(n)
     payloads = [rng.integers(0, 256, codec.packed_size(d), dtype=np.uint8).tobytes() for _ in range(n)]
     with kernels("off"):
-        planes, (gt, tie) = codec.count_planes(payloads, d), codec.vote_masks(payloads, d)
-    # Execute: the planes (the mean) and the masks (the vote), each on the team
-    got_planes, (got_gt, got_tie) = codec.count_planes(payloads, d), codec.vote_masks(payloads, d)
-    # Assert: two runs on two threads; numpy's planes and masks
-    assert team == [2, 2]
-    assert torch.equal(got_planes, planes) and torch.equal(got_gt, gt) and torch.equal(got_tie, tie)
+        planes = codec.count_planes(payloads, d)
+    # Execute: the planes (the vote and the mean come from them) on the team
+    got = codec.count_planes(payloads, d)
+    # Assert: one run on two threads; numpy's planes
+    assert team == [2]
+    assert torch.equal(got, planes)
 
 
 @pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
@@ -707,31 +704,31 @@ def test_kernels_on_torchs_team_from_many_threads_at_once(team: list[int]) -> No
 
 @pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
 def test_kernels_move_onto_the_team_only_after_some_calls(monkeypatch: pytest.MonkeyPatch) -> None:
-    from flower_dlion import kernels as real
+    from flower_dlion.accel import numba_team
 
     torch.set_num_threads(2)  # exactly two, also on a many-core machine
-    monkeypatch.setattr(codec, "_TEAM_CALLS", {})
-    # Execute: the first _TEAM_AFTER calls of a kernel, a call too small for two threads, then one more
-    first = [codec._team(real, "pack", 1 << 20) for _ in range(codec._TEAM_AFTER)]
-    small, later = codec._team(real, "pack", codec._TEAM_GRAIN), codec._team(real, "pack", 1 << 20)
+    monkeypatch.setattr(threads, "_TEAM_CALLS", {})
+    # Execute: the first TEAM_AFTER calls of a kernel, a call too small for two threads, then one more
+    first = [threads.team("pack", 1 << 20) for _ in range(threads.TEAM_AFTER)]
+    small, later = threads.team("pack", threads.TEAM_GRAIN), threads.team("pack", 1 << 20)
     # Assert: threads of their own (None) until then, and for one thread's work; then the team (with OpenMP)
-    assert first == [None] * codec._TEAM_AFTER and small is None
+    assert first == [None] * threads.TEAM_AFTER and small is None
     if "parallel backend: OpenMP" in torch.__config__.parallel_info():
         assert later is not None and later[1] == 2
-    monkeypatch.setattr(codec, "_TEAM", [None])  # torch without OpenMP: the codec's own threads
-    assert codec._team(real, "pack", 1 << 20) is None
+    monkeypatch.setattr(threads, "_TEAM", [None])  # torch without OpenMP: the codec's own threads
+    assert threads.team("pack", 1 << 20) is None
 
     def no_dlopen(name: object) -> None:
         raise OSError("no dlopen(NULL) here")  # as on Windows
 
-    monkeypatch.setattr(codec, "_TEAM", [])
-    monkeypatch.setattr(real.ctypes, "CDLL", no_dlopen)
-    assert codec._team(real, "pack", 1 << 20) is None and codec._TEAM == [None]
+    monkeypatch.setattr(threads, "_TEAM", [])
+    monkeypatch.setattr(numba_team.ctypes, "CDLL", no_dlopen)
+    assert threads.team("pack", 1 << 20) is None and threads._TEAM == [None]
 
 
 def test_fused_step_hand_computed(monkeypatch: pytest.MonkeyPatch) -> None:
     # Prepare: β₁ = 0.5, β₂ = 0.75: mix = (m + g)/2, m ← (3m + g)/4, all exact in float32
-    monkeypatch.setenv(codec.KERNELS_ENV, "on" if HAVE_NUMBA else "off")
+    monkeypatch.setenv(accel.KERNELS_ENV, "on" if HAVE_NUMBA else "off")
     m = torch.tensor([1.0, -1.0, 2.0, -2.0, 0.5, 0.0, 4.0, -4.0, 1.0])
     g = torch.tensor([1.0, 1.0, -4.0, 0.0, -0.25, 1.0, 0.0, 8.0, -3.0])
     # Execute
@@ -743,7 +740,7 @@ def test_fused_step_hand_computed(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
 def test_fused_step_runs_only_where_it_rounds_like_torch(monkeypatch: pytest.MonkeyPatch) -> None:
-    from flower_dlion import kernels as real
+    from flower_dlion.accel import cpu, numba_pack
 
     # Prepare: a kernel that rounds the mix and the momentum twice (no FMA), as some CPUs would
     def unfused(
@@ -756,20 +753,22 @@ def test_fused_step_runs_only_where_it_rounds_like_torch(monkeypatch: pytest.Mon
         return False
 
     fake = type(sys)("fake_kernels")
-    fake.__dict__.update(vars(real), lion_pack=unfused)  # the real kernels but this one
+    fake.__dict__.update(vars(numba_pack), lion_pack=unfused)  # the real kernels but this one
     m, g = _step_inputs(5_000, 0, 11)
     m_ref = m.clone()
     expected = codec.pack_signs(lion.local_step_(m_ref, g, 0.9, 0.99))
-    monkeypatch.setattr(codec, "_FUSED_EXACT", {})
-    monkeypatch.setattr(codec, "_kernels", lambda size: fake)
+    monkeypatch.setattr(probes, "_FUSED_EXACT", {})
+    monkeypatch.setattr(cpu, "kernels", fake)
+    monkeypatch.setenv(accel.KERNELS_ENV, "on")
     # Execute
     got = codec.pack_local_step_(m, g, 0.9, 0.99)
     # Assert: the probe catches the other rounding and the composition runs instead; the real kernel passes it
-    assert codec._FUSED_EXACT == {("cpu", 0.9, 0.99): False}
+    assert probes._FUSED_EXACT == {("cpu", 0.9, 0.99): False}
     assert torch.equal(got, expected) and _same_floats(m, m_ref)
-    codec._FUSED_EXACT.clear()
-    fused = functools.partial(codec._lion_pack_cpu, real, codec._lion_coefs(0.9, 0.99))
-    assert codec._fused_step_matches_torch(fused, 0.9, 0.99, torch.device("cpu"))
+    probes._FUSED_EXACT.clear()
+    monkeypatch.setattr(cpu, "kernels", numba_pack)
+    fused = functools.partial(cpu._lion_pack_one_thread, probes.lion_coefs(0.9, 0.99))
+    assert probes.fused_step_matches_torch(fused, 0.9, 0.99, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -805,11 +804,11 @@ def test_apply_levels_equals_apply_update_of_the_values(
 def test_apply_levels_runs_the_kernel_on_two_threads(
     num_levels: int, lr: float, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from flower_dlion import kernels as real
+    from flower_dlion.accel import numba_pack as real
 
     # Prepare: 2·10⁶ + 5 values on two of the codec's own threads (torch's team has its own test); count the calls
     torch.set_num_threads(2)  # exactly two, also on a many-core machine
-    monkeypatch.setattr(codec, "_TEAM_AFTER", 1 << 30)
+    monkeypatch.setattr(threads, "TEAM_AFTER", 1 << 30)
     calls = []
     fused = real.apply_levels
     monkeypatch.setattr(real, "apply_levels", lambda *args: calls.append(1) or fused(*args))
@@ -828,29 +827,31 @@ def test_apply_levels_runs_the_kernel_on_two_threads(
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("bad", [3, -1])
 def test_apply_levels_rejects_a_level_out_of_range(mode: str, bad: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(codec.KERNELS_ENV, mode)
+    monkeypatch.setenv(accel.KERNELS_ENV, mode)
     levels = torch.tensor([0, 1, 2, bad, 1], dtype=torch.int32)
     with pytest.raises(ValueError, match="level outside 0…2: corrupted update"):
         codec.apply_levels_(torch.ones(5), levels, 3, 0.1, 0.0)
 
 
 def test_kernels_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(codec.KERNELS_ENV, "fast")
+    monkeypatch.setenv(accel.KERNELS_ENV, "fast")
     with pytest.raises(ValueError, match="FLOWER_DLION_KERNELS must be 'auto', 'on' or 'off', got 'fast'"):
         codec.pack_signs(torch.ones(3))
-    monkeypatch.setitem(sys.modules, "flower_dlion.kernels", None)  # as if numba were not installed
-    monkeypatch.delattr(flower_dlion, "kernels", raising=False)
-    monkeypatch.setenv(codec.KERNELS_ENV, "auto")
+    monkeypatch.setitem(sys.modules, "flower_dlion.accel.cpu", None)  # as if numba were not installed
+    monkeypatch.delattr(flower_dlion.accel, "cpu", raising=False)
+    monkeypatch.setattr(accel, "_CHOSEN", {})
+    monkeypatch.setenv(accel.KERNELS_ENV, "auto")
     assert codec.pack_signs(torch.ones(2_000_000)).numel() == 250_000  # auto: numpy instead
-    monkeypatch.setenv(codec.KERNELS_ENV, "on")
+    assert accel.choose("pack_signs", torch.device("cpu"), 2_000_000) is None
+    monkeypatch.setenv(accel.KERNELS_ENV, "on")
     with pytest.raises(ImportError, match=r"FLOWER_DLION_KERNELS=on needs numba: pip install 'flower-dlion\[fast\]'"):
         codec.pack_signs(torch.ones(3))
-    monkeypatch.setitem(sys.modules, "flower_dlion.gpu_kernels", None)  # as if Triton were not installed
-    monkeypatch.delattr(flower_dlion, "gpu_kernels", raising=False)
+    monkeypatch.setitem(sys.modules, "flower_dlion.accel.gpu", None)  # as if Triton were not installed
+    monkeypatch.delattr(flower_dlion.accel, "gpu", raising=False)
     with pytest.raises(ImportError, match="FLOWER_DLION_KERNELS=on needs Triton on a CUDA device"):
-        codec._gpu_kernels()
-    monkeypatch.setenv(codec.KERNELS_ENV, "auto")
-    assert codec._gpu_kernels() is None  # auto: tensor operations instead
+        accel.choose("pack_signs", torch.device("cuda"), 3)
+    monkeypatch.setenv(accel.KERNELS_ENV, "auto")
+    assert accel.choose("pack_signs", torch.device("cuda"), 3) is None  # auto: tensor operations instead
 
 
 def _philox_words(seed: int, counter: int, n: int) -> np.ndarray:
@@ -878,10 +879,10 @@ def _philox_coins(seed: int, counter: int, nbytes: int) -> np.ndarray:
 def _expected_gpu_pack(positive: torch.Tensor, zero: torch.Tensor, gen: torch.Generator) -> np.ndarray:
     """A GPU pack's bytes: the bits of ``positive``, and at ``zero`` the coins of ``gen``'s next window."""
     twin = torch.Generator().set_state(gen.get_state())  # the same draw, leaving gen for the call under test
-    from flower_dlion import gpu_kernels
+    from flower_dlion.accel import triton_kernels
 
     nbytes = codec.packed_size(positive.numel())
-    coins = _philox_coins(*gpu_kernels.coin_stream(twin, torch.device("cpu"), nbytes), nbytes)
+    coins = _philox_coins(*triton_kernels.coin_stream(twin, torch.device("cpu"), nbytes), nbytes)
     return np.packbits(positive.numpy(), bitorder="big") | (np.packbits(zero.numpy(), bitorder="big") & coins)
 
 
@@ -903,10 +904,10 @@ def test_triton_pack_kernel_matches_numpy_packbits_and_philox_coins(d: int, zero
         v[idx] = torch.tensor([0.0, -0.0, float("nan"), float("inf"), -float("inf")])[:zeros]
     coins = torch.Generator().manual_seed(seed + 1)
     expected = _expected_gpu_pack(v > 0, v == 0, coins)
-    from flower_dlion import gpu_kernels
+    from flower_dlion.accel import triton_kernels
 
     # Execute
-    packed = gpu_kernels.pack_positive(v.to("cuda" if torch.cuda.is_available() else "cpu"), coins)
+    packed = triton_kernels.pack_positive(v.to("cuda" if torch.cuda.is_available() else "cpu"), coins)
     # Assert: the bits of v > 0, MSB first; at each exact zero, its byte's Philox coin
     assert np.array_equal(packed.cpu().numpy(), expected)
 
@@ -914,7 +915,7 @@ def test_triton_pack_kernel_matches_numpy_packbits_and_philox_coins(d: int, zero
 @pytest.mark.skipif(not HAVE_TRITON, reason="Triton not installed")
 def test_triton_pack_flips_fair_reproducible_coins_at_zeros() -> None:
     # Prepare: 40,000 values, every third an exact zero (±0), on the GPU if there is one, else interpreted
-    from flower_dlion import gpu_kernels
+    from flower_dlion.accel import triton_kernels
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     v = torch.where(torch.arange(40_000) % 2 == 0, 1.0, -1.0)
@@ -922,8 +923,8 @@ def test_triton_pack_flips_fair_reproducible_coins_at_zeros() -> None:
     zero = (v == 0).numpy()
     # Execute: twice from one seed, once from the generator after those
     gen = torch.Generator().manual_seed(7)
-    first = gpu_kernels.pack_positive(v.to(device), torch.Generator().manual_seed(7))
-    again, later = gpu_kernels.pack_positive(v.to(device), gen), gpu_kernels.pack_positive(v.to(device), gen)
+    first = triton_kernels.pack_positive(v.to(device), torch.Generator().manual_seed(7))
+    again, later = triton_kernels.pack_positive(v.to(device), gen), triton_kernels.pack_positive(v.to(device), gen)
     bits = [np.unpackbits(p.cpu().numpy())[:40_000] for p in (first, again, later)]
     # Assert: the nonzero values' bits exact; at the 13,334 zeros about half ones (±3σ = ±173), the same coins
     # from the same seed, other coins from the generator's next draw
@@ -953,12 +954,12 @@ class _CudaGenerator:
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="Triton not installed")
 def test_coin_stream_takes_a_cuda_generators_seed_and_advances_its_offset() -> None:
-    from flower_dlion import gpu_kernels
+    from flower_dlion.accel import triton_kernels
 
     gen = _CudaGenerator(2**64 - 3, 8)  # torch's seeds are 64-bit
     device = torch.device("cuda", 0)
     # Execute: windows of 125,000 bytes, 5 bytes, 1 byte
-    windows = [gpu_kernels.coin_stream(gen, device, n) for n in (125_000, 5, 1)]  # type: ignore[arg-type]
+    windows = [triton_kernels.coin_stream(gen, device, n) for n in (125_000, 5, 1)]  # type: ignore[arg-type]
     # Assert: the seed's low 62 bits and the offsets 8, 125,008, 125,016, each with bit 62 set (typed int64)
     key = (2**64 - 3) % 2**62 | 2**62
     assert windows == [(key, 8 | 2**62), (key, 125_008 | 2**62), (key, 125_016 | 2**62)]
@@ -968,7 +969,7 @@ def test_coin_stream_takes_a_cuda_generators_seed_and_advances_its_offset() -> N
 @pytest.mark.skipif(not HAVE_TRITON, reason="Triton not installed")
 def test_triton_apply_flags_need_no_reset_between_calls() -> None:
     # Prepare: good levels and one out of range, on the GPU if there is one, else interpreted
-    from flower_dlion import gpu_kernels
+    from flower_dlion.accel import triton_kernels
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     steps = torch.tensor([-0.5, 0.0, 0.5], device=device)
@@ -976,10 +977,10 @@ def test_triton_apply_flags_need_no_reset_between_calls() -> None:
     bad = torch.tensor([0, 1, 3, 1], dtype=torch.uint8, device=device)
     x = torch.ones(4, device=device)
     # Execute: good, bad, good again, on the one flag of the device
-    first = gpu_kernels.apply_levels(x, good, steps, 1.0)
+    first = triton_kernels.apply_levels(x, good, steps, 1.0)
     before = first.read()
-    second = gpu_kernels.apply_levels(x, bad, steps, 1.0)
-    third = gpu_kernels.apply_levels(x, good, steps, 1.0)
+    second = triton_kernels.apply_levels(x, bad, steps, 1.0)
+    third = triton_kernels.apply_levels(x, good, steps, 1.0)
     # Assert: one tensor, rising epochs; each call reads its own result; an earlier call's flag reads raised
     # once a later call raised it (the conservative side: the codec then checks exactly)
     assert first.tensor is second.tensor is third.tensor and first.epoch < second.epoch < third.epoch
@@ -995,21 +996,15 @@ def test_triton_vote_count_kernel_matches_the_numpy_path(d: int, n: int, seed: i
     rng = np.random.default_rng(seed)
     payloads = [torch.from_numpy(rng.integers(0, 256, codec.packed_size(d), dtype=np.uint8)) for _ in range(n)]
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    from flower_dlion import gpu_kernels
+    from flower_dlion.accel import triton_kernels
 
     with kernels("off"):
-        counts, (gt, tie), planes = (
-            codec.count_ones(payloads, d),
-            codec.vote_masks(payloads, d),
-            codec.count_planes(payloads, d),
-        )
+        counts, planes = codec.count_ones(payloads, d), codec.count_planes(payloads, d)
     # Execute
     on_device = [p.to(device) for p in payloads]
-    got_counts, (got_gt, got_tie) = gpu_kernels.count_ones(on_device, d), gpu_kernels.vote_masks(on_device, d)
-    got_planes = gpu_kernels.count_planes(on_device, d)
-    # Assert: the same counts, masks and planes as the numpy path
+    got_counts, got_planes = triton_kernels.count_ones(on_device, d), triton_kernels.count_planes(on_device, d)
+    # Assert: the same counts and planes as the numpy path
     assert torch.equal(got_counts.cpu(), counts)
-    assert torch.equal(got_gt.cpu(), gt) and torch.equal(got_tie.cpu(), tie)
     assert torch.equal(got_planes.cpu(), planes)
 
 
@@ -1043,16 +1038,16 @@ def test_triton_fused_step_matches_the_composition(
         g[idx] = torch.tensor([-0.0, 0.0, 1.0, -float("inf"), float("nan"), -0.0])[:specials]
     m_ref = m.clone()
     delta = lion.local_step_(m_ref, g, *betas)
-    from flower_dlion import gpu_kernels
+    from flower_dlion.accel import triton_kernels
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     m_dev = m.to(device)
-    coefs = tuple(float(c) for c in codec._lion_coefs(*betas))
+    coefs = tuple(float(c) for c in probes.lion_coefs(*betas))
     gen = torch.Generator().manual_seed(seed + 1)
     expected = _expected_gpu_pack(delta > 0, delta == 0, gen)
-    composed = gpu_kernels.pack_positive(delta.to(device), torch.Generator().set_state(gen.get_state()))
+    composed = triton_kernels.pack_positive(delta.to(device), torch.Generator().set_state(gen.get_state()))
     # Execute
-    packed = gpu_kernels.lion_pack(m_dev, g.to(device), coefs, gen)
+    packed = triton_kernels.lion_pack(m_dev, g.to(device), coefs, gen)
     # Assert: bits of δ > 0 (MSB first) and the Philox coins at δ = 0, as the kernel pack of δ gives them;
     # the momentum bit for bit (NaNs alike)
     assert np.array_equal(packed.cpu().numpy(), expected)
@@ -1082,13 +1077,13 @@ def test_triton_apply_matches_apply_update_of_the_values(
     if narrow and num_levels <= 256:
         levels = levels.to(torch.uint8)
     expected = lion.apply_update_(x.clone(), codec.levels_to_values(levels, num_levels), lr, weight_decay)
-    from flower_dlion import gpu_kernels
+    from flower_dlion.accel import triton_kernels
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     x_dev = x.to(device)
     steps = codec.levels_to_values(torch.arange(num_levels, device=device), num_levels) * lr
     # Execute
-    bad = gpu_kernels.apply_levels(x_dev, levels.to(device), steps, float(np.float32(1.0 - lr * weight_decay)))
+    bad = triton_kernels.apply_levels(x_dev, levels.to(device), steps, float(np.float32(1.0 - lr * weight_decay)))
     # Assert: the same floats bit for bit; no level flagged
     assert not bad.read()
     assert _same_floats(x_dev.cpu(), expected)
@@ -1097,33 +1092,31 @@ def test_triton_apply_matches_apply_update_of_the_values(
 @pytest.mark.skipif(not HAVE_TRITON, reason="Triton not installed")
 @pytest.mark.parametrize("bad", [3, -1, 255])
 def test_triton_apply_flags_a_level_out_of_range(bad: int) -> None:
-    from flower_dlion import gpu_kernels
+    from flower_dlion.accel import triton_kernels
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     levels = torch.tensor([0, 2, 1, bad, 0], dtype=torch.uint8 if bad == 255 else torch.int32, device=device)
     steps = torch.tensor([-0.5, 0.0, 0.5], device=device)
     with pytest.raises(ValueError, match=r"levels must be contiguous uint8 or int32 of shape \(4,\)"):
-        gpu_kernels.apply_levels(torch.ones(4, device=device), levels, steps, 1.0)
+        triton_kernels.apply_levels(torch.ones(4, device=device), levels, steps, 1.0)
     x = torch.ones(5, device=device)
     # Execute
-    flag = gpu_kernels.apply_levels(x, levels, steps, 1.0)
+    flag = triton_kernels.apply_levels(x, levels, steps, 1.0)
     # Assert: flagged; the good values are applied
     assert flag.read()
     assert x.cpu()[:3].tolist() == [1.5, 0.5, 1.0]
 
 
 def _check_triton_vote(d: int, n: int, seed: int, majority: float) -> None:
-    """The Triton kernels' vote masks and count planes of n random payloads against the numpy path's."""
+    """The Triton kernel's count planes of n random payloads against the numpy path's."""
     rng = np.random.default_rng(seed)
     payloads = [torch.from_numpy(np.packbits(rng.random(8 * codec.packed_size(d)) < majority)) for _ in range(n)]
     with kernels("off"):
-        (gt, tie), planes = codec.vote_masks(payloads, d), codec.count_planes(payloads, d)
+        planes = codec.count_planes(payloads, d)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    from flower_dlion import gpu_kernels
+    from flower_dlion.accel import triton_kernels
 
-    on_device = [p.to(device) for p in payloads]
-    (got_gt, got_tie), got_planes = gpu_kernels.vote_masks(on_device, d), gpu_kernels.count_planes(on_device, d)
-    assert torch.equal(got_gt.cpu(), gt) and torch.equal(got_tie.cpu(), tie)
+    got_planes = triton_kernels.count_planes([p.to(device) for p in payloads], d)
     assert torch.equal(got_planes.cpu(), planes)
 
 
@@ -1158,24 +1151,24 @@ def test_triton_vote_kernels_at_the_most_planes(n: int, majority: float) -> None
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="Triton not installed")
 def test_triton_vote_count_kernel_rejects_a_wrong_size() -> None:
-    from flower_dlion import gpu_kernels
+    from flower_dlion.accel import triton_kernels
 
     with pytest.raises(ValueError, match=r"expected 2 packed bytes \(contiguous 1-D uint8\), got torch.uint8 \(3,\)"):
-        gpu_kernels.count_ones([torch.zeros(2, dtype=torch.uint8), torch.zeros(3, dtype=torch.uint8)], 9)
+        triton_kernels.count_ones([torch.zeros(2, dtype=torch.uint8), torch.zeros(3, dtype=torch.uint8)], 9)
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="Triton not installed")
 def test_triton_pack_kernel_rejects_what_it_cannot_read() -> None:
-    from flower_dlion import gpu_kernels
+    from flower_dlion.accel import triton_kernels
 
     with pytest.raises(ValueError, match=r"needs a contiguous 1-D float32 tensor, got torch.float64 \(4,\)"):
-        gpu_kernels.pack_positive(torch.ones(4, dtype=torch.float64))
+        triton_kernels.pack_positive(torch.ones(4, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"contiguous 1-D float32 tensors, got g: torch.float64 \(4,\)"):
-        gpu_kernels.lion_pack(torch.ones(4), torch.ones(4, dtype=torch.float64), (0.5, 0.5, 0.5, 0.5))
+        triton_kernels.lion_pack(torch.ones(4), torch.ones(4, dtype=torch.float64), (0.5, 0.5, 0.5, 0.5))
     with pytest.raises(ValueError, match=r"m \(4 on cpu\) and g \(3 on cpu\) differ"):
-        gpu_kernels.lion_pack(torch.ones(4), torch.ones(3), (0.5, 0.5, 0.5, 0.5))
+        triton_kernels.lion_pack(torch.ones(4), torch.ones(3), (0.5, 0.5, 0.5, 0.5))
     with pytest.raises(ValueError, match=r"contiguous 1-D float32 x, got torch.float64 \(4,\)"):
-        gpu_kernels.apply_levels(torch.ones(4, dtype=torch.float64), torch.zeros(4, dtype=torch.uint8),
+        triton_kernels.apply_levels(torch.ones(4, dtype=torch.float64), torch.zeros(4, dtype=torch.uint8),
                                  torch.ones(2), 1.0)  # fmt: skip
 
 
@@ -1185,7 +1178,9 @@ def test_codec_lion_quantizers_and_downlink_import_no_flwr() -> None:
 
     modules = "flower_dlion.codec, flower_dlion.lion, flower_dlion.quantizers"
     modules += ", flower_dlion.downlink, flower_dlion.entropy"
-    modules += ", flower_dlion.kernels" * HAVE_NUMBA + ", flower_dlion.gpu_kernels" * HAVE_TRITON
+    modules += ", flower_dlion.accel, flower_dlion.accel.threads, flower_dlion.accel.probes"
+    modules += ", flower_dlion.accel.cpu, flower_dlion.accel.numba_team" * HAVE_NUMBA
+    modules += ", flower_dlion.accel.gpu" * HAVE_TRITON
     code = f"import sys, {modules}; print('flwr' in sys.modules)"
     assert (
         subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
@@ -1228,7 +1223,7 @@ def test_cuda_fused_step_equals_the_composition_and_the_cpu(d: int, zeros: int) 
     # Prepare: on the GPU, with and without zero directions (coin flips from equally seeded CUDA generators)
     m, g = _step_inputs(d, zeros, d)
     out, momenta = {}, {}
-    codec._FUSED_EXACT.pop(("cuda", 0.9, 0.99), None)
+    probes._FUSED_EXACT.pop(("cuda", 0.9, 0.99), None)
     for path in ("fused", "composed", "tensor ops"):  # the Triton step; local_step_ + the Triton pack; no kernels
         m_dev, gen = m.cuda(), torch.Generator(device="cuda").manual_seed(3)
         # Execute
@@ -1240,7 +1235,7 @@ def test_cuda_fused_step_equals_the_composition_and_the_cpu(d: int, zeros: int) 
         momenta[path] = m_dev.cpu()
     # Assert: the probe let the kernel run; the fused step's bytes are the composition's, coins too; the tensor
     # path's bits alike except at zero directions; the same momenta everywhere, the CPU's too
-    assert codec._FUSED_EXACT[("cuda", 0.9, 0.99)]
+    assert probes._FUSED_EXACT[("cuda", 0.9, 0.99)]
     assert out["fused"].is_cuda and torch.equal(out["fused"], out["composed"])
     m_ref = m.clone()
     nonzero = codec.pack_bits(lion.local_step_(m_ref, g, 0.9, 0.99) != 0).cuda()
@@ -1273,9 +1268,9 @@ def test_cuda_pack_and_fused_step_never_wait_for_the_device() -> None:
 @CUDA
 def test_cuda_codec_checks_a_raised_flag_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
     # Prepare: every flag reads raised, as when a call on another stream raised it; good levels
-    from flower_dlion import gpu_kernels
+    from flower_dlion.accel import triton_kernels
 
-    monkeypatch.setattr(gpu_kernels.Flag, "read", lambda self: True)
+    monkeypatch.setattr(triton_kernels.Flag, "read", lambda self: True)
     m = torch.randn(10_007, generator=torch.Generator().manual_seed(1))
     levels = torch.randint(0, 3, (m.numel(),), generator=torch.Generator().manual_seed(2), dtype=torch.uint8)
     x_dev = m.cuda()
@@ -1312,16 +1307,15 @@ def test_cuda_vote_counts_match_the_cpu(n: int) -> None:
     d = 1_000_003
     rng = np.random.default_rng(n)
     payloads = [torch.from_numpy(rng.integers(0, 256, codec.packed_size(d), dtype=np.uint8)) for _ in range(n)]
-    expected = codec.count_ones(payloads, d), codec.vote_masks(payloads, d), codec.count_planes(payloads, d)
+    expected = codec.count_ones(payloads, d), codec.count_planes(payloads, d)
     for mode in ("on", "off"):  # the Triton kernel and the tensor operations
         # Execute
         with kernels(mode):
             on_gpu = [p.cuda() for p in payloads]
-            got = codec.count_ones(on_gpu, d), codec.vote_masks(on_gpu, d), codec.count_planes(on_gpu, d)
+            got = codec.count_ones(on_gpu, d), codec.count_planes(on_gpu, d)
         # Assert
         assert got[0].is_cuda and torch.equal(got[0].cpu(), expected[0]), mode
-        assert torch.equal(got[1][0].cpu(), expected[1][0]) and torch.equal(got[1][1].cpu(), expected[1][1]), mode
-        assert torch.equal(got[2].cpu(), expected[2]), mode
+        assert torch.equal(got[1].cpu(), expected[1]), mode
 
 
 @CUDA

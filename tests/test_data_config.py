@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from flower_dlion import data
-from flower_dlion.config import DEFAULTS, read_config
+from flower_dlion.config import DEFAULTS, GROUPS, generate, read_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -123,6 +123,17 @@ def test_sample_batch_is_seeded_and_within_partition() -> None:
 def test_pyproject_config_equals_defaults() -> None:
     table = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
     assert table == DEFAULTS
+
+
+def test_the_generated_copies_of_the_run_config_are_up_to_date() -> None:
+    # Execute: pyproject.toml's table and the guide's tables as config.GROUPS makes them
+    files = generate.generated_files(ROOT)
+    # Assert: the files hold exactly that (else: python -m flower_dlion.config --write)
+    assert all(path.read_text() == text for path, text in files.items()), "python -m flower_dlion.config --write"
+    assert sorted(DEFAULTS) == sorted(key for group in GROUPS.values() for key in group.keys)
+    assert [line for line in generate.pyproject_table().splitlines() if line.startswith("# ")][1:] == [
+        f"# {name}: {group.about}" for name, group in GROUPS.items()
+    ]
 
 
 def test_read_config_checks_values() -> None:

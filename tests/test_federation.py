@@ -12,7 +12,6 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message
 
-from flower_dlion import codec
 from flower_dlion.client_app import app as client_app
 from flower_dlion.clients.replica import apply_message
 from flower_dlion.clients.state import STATE_ARRAYS, load_state
@@ -105,12 +104,12 @@ def test_momentum_persists_across_rounds_in_context_state() -> None:
 
 @pytest.mark.skipif(importlib.util.find_spec("numba") is None, reason="numba not installed")
 def test_fused_client_step_gives_the_same_federation_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
-    from flower_dlion import kernels
+    from flower_dlion.accel import numba_pack, probes
 
     calls = []
-    fused = kernels.lion_pack
-    monkeypatch.setattr(kernels, "lion_pack", lambda *args: calls.append(1) or fused(*args))
-    monkeypatch.setattr(codec, "_FUSED_EXACT", {})  # the rounding probe runs once, in this test
+    fused = numba_pack.lion_pack
+    monkeypatch.setattr(numba_pack, "lion_pack", lambda *args: calls.append(1) or fused(*args))
+    monkeypatch.setattr(probes, "_FUSED_EXACT", {})  # the rounding probe runs once, in this test
     d = sum(p.numel() for p in Net().parameters())
     results = {}
     for mode in ("off", "on"):  # the composition lion.local_step_ + pack_signs, then the fused kernel
@@ -131,22 +130,23 @@ def test_fused_client_step_gives_the_same_federation_bit_for_bit(monkeypatch: py
 @pytest.mark.skipif(importlib.util.find_spec("numba") is None, reason="numba not installed")
 @pytest.mark.parametrize("how", ["vote", "mean"])
 def test_a_federation_on_torchs_openmp_team_equals_the_composition(how: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from flower_dlion import kernels
+    from flower_dlion.accel import threads
+    from flower_dlion.accel.numba_team import Team
 
     if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
         pytest.skip("torch does not run on OpenMP here")
     torch.set_num_threads(2)  # exactly two, also on a many-core machine
     runs = []
-    run = kernels.Team.run
-    monkeypatch.setattr(kernels.Team, "run", lambda self, *args: runs.append(1) or run(self, *args))
+    run = Team.run
+    monkeypatch.setattr(Team, "run", lambda self, *args: runs.append(1) or run(self, *args))
     d = sum(p.numel() for p in Net().parameters())
     results = {}
     for mode in ("off", "team"):  # torch operations and numpy, then every kernel on torch's team at every size
         # Prepare
         monkeypatch.setenv("FLOWER_DLION_KERNELS", "off" if mode == "off" else "on")
-        monkeypatch.setattr(codec, "_TEAM_AFTER", 0)
-        monkeypatch.setattr(codec, "_TEAM_GRAIN", 1 << 10)
-        monkeypatch.setattr(codec, "_TEAM_COUNT_GRAIN", 1 << 10)
+        monkeypatch.setattr(threads, "TEAM_AFTER", 0)
+        monkeypatch.setattr(threads, "TEAM_GRAIN", 1 << 10)
+        monkeypatch.setattr(threads, "TEAM_COUNT_GRAIN", 1 << 10)
         grid = LocalGrid(client_app, 3, run_config=CPU_CONFIG)
         strategy = DistributedLion(aggregation=how, lr=LR, weight_decay=WD)
         # Execute

@@ -27,9 +27,9 @@ VARIANTS = [  # every kernel variant the codec launches, in the order scripts/co
     ("_lion_pack", "BYTES=512"),
     ("_apply_levels", "BLOCK=4096, uint8 levels"),
     ("_apply_levels", "BLOCK=4096, int32 levels"),
-    *[("_count_sliced", f"WHAT={what} PLANES={planes}") for planes in (1, 2, 6, 12) for what in (1, 2)],
-    ("_count_votes", "WHAT=0 PLANES=2"),
-    ("_count_votes", "WHAT=2 PLANES=13"),
+    *[("_count_sliced", f"PLANES={planes}") for planes in (1, 2, 6, 12)],
+    ("_count_votes", "counts PLANES=2"),
+    ("_count_votes", "planes PLANES=13"),
 ]
 
 
@@ -65,15 +65,17 @@ def test_every_kernel_variant_compiles_to_a_cubin_for_ampere_and_hopper(tmp_path
 
 
 def test_a_kernel_that_only_the_interpreter_accepts_fails_the_compile(tmp_path: Path) -> None:
-    # Prepare: gpu_kernels with one cast dropped. Then the coin flips are uint32 and ``packed`` changes
+    # Prepare: triton_kernels with one cast dropped. Then the coin flips are uint32 and ``packed`` changes
     # type inside an ``if``: the interpreter runs it (and gives the same bytes), the compiler refuses.
     package = tmp_path / "flower_dlion"
-    package.mkdir()
+    (package / "accel").mkdir(parents=True)
     shutil.copy(ROOT / "flower_dlion" / "__init__.py", package)
-    source = (ROOT / "flower_dlion" / "gpu_kernels.py").read_text()
+    shutil.copy(ROOT / "flower_dlion" / "accel" / "__init__.py", package / "accel")
+    source = (ROOT / "flower_dlion" / "accel" / "triton_kernels.py").read_text()
     right = "coins = (tl.randint(seed, counter + byte) & 255).to(tl.int32)"
     assert source.count(right) == 1  # in _store_signs, the pack's and the fused step's epilogue
-    (package / "gpu_kernels.py").write_text(source.replace(right, "coins = tl.randint(seed, counter + byte) & 255"))
+    bad = source.replace(right, "coins = tl.randint(seed, counter + byte) & 255")
+    (package / "accel" / "triton_kernels.py").write_text(bad)
 
     # Execute
     proc = _compile(tmp_path, "90", pythonpath=tmp_path)

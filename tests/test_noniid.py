@@ -411,20 +411,20 @@ def test_local_proximal_mu_is_checked() -> None:
 def test_stale_momentum_decays_or_resets_by_the_rounds_missed(
     policy: str, before: int | None, after: int, want: list[float]
 ) -> None:
-    from flower_dlion.clients.dlion import _age_momentum
+    from flower_dlion.clients.local_work import age_momentum
     from flower_dlion.clients.state import ReplicaState
 
     state = ReplicaState(torch.zeros(2), torch.tensor([4.0, -2.0]), after)
-    _age_momentum(state, before, ConfigRecord({"stale-momentum": policy, "beta2": 0.5}), 1)
+    age_momentum(state, before, ConfigRecord({"stale-momentum": policy, "beta2": 0.5}), 1)
     assert state.m.tolist() == want
 
 
 def test_unknown_stale_momentum_is_refused_and_bad_arguments_fail_early() -> None:
-    from flower_dlion.clients.dlion import ClientStateError, _age_momentum
+    from flower_dlion.clients.local_work import ClientStateError, age_momentum
     from flower_dlion.clients.state import ReplicaState
 
     with pytest.raises(ClientStateError, match="node 5: unknown stale-momentum 'forget'"):
-        _age_momentum(ReplicaState(torch.zeros(2), torch.ones(2), 3), 1, ConfigRecord({"stale-momentum": "forget"}), 5)
+        age_momentum(ReplicaState(torch.zeros(2), torch.ones(2), 3), 1, ConfigRecord({"stale-momentum": "forget"}), 5)
     with pytest.raises(ValueError, match="stale_momentum must be 'keep', 'decay' or 'reset', got 'forget'"):
         DistributedLion(stale_momentum="forget")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"'stale-momentum' must be one of \('keep', 'decay', 'reset'\)"):

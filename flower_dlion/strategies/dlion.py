@@ -1,146 +1,48 @@
-"""Distributed Lion as a Flower strategy: bit-packed client signs in, a packed Δ out."""
+"""Distributed Lion as a Flower strategy: bit-packed client signs in, a packed Δ out.
+
+Start here. One round of :class:`DistributedLion`, and where each step lives:
+
+- ``configure_train`` (below) samples the nodes and builds each one's message
+  (:mod:`~flower_dlion.strategies.downlink_messages`: only what the node lacks to reach x);
+- the client takes its Lion step and packs its signs (:mod:`flower_dlion.clients.dlion`);
+- ``aggregate_train`` (below) checks the replies, votes or averages them into Δ and applies Δ
+  to x (:mod:`~flower_dlion.strategies.aggregation`);
+- what the server keeps between rounds, and checkpoints, is a
+  :class:`~flower_dlion.strategies.server_state.ServerState`.
+
+The constructor's argument checks are in :mod:`~flower_dlion.strategies.dlion_arguments`; the
+sampling, the hellos and the round loop that both of our strategies share in
+:mod:`~flower_dlion.strategies.common`.
+"""
 
 from __future__ import annotations
 
 import math
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from logging import INFO, WARNING
 from typing import Any, Literal
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 from flwr.supercore import log
 
-from .. import codec, entropy, lion, quantizers
-from ..bounds import median_momentum, robust_buffers
-from ..downlink import AnchoredHistory, Segment, levels_to_signs
-from ..params import LayoutError, ModelSpec, layer_mask, layout_fingerprint, state_checksum
-from ..protocol import (
-    BROADCAST,
-    CLIENT_STATE_ERROR,
-    CODED_STYPE,
-    CONFIG,
-    LEVELS_STYPE,
-    METRICS,
-    MOMENTUM,
-    OPTIONAL_REPLY_METRICS,
-    REPLY_METRICS,
-    REST,
-    SEED_MISMATCH,
-    UPLOAD,
-    USER_CONFIG,
-    RejectedReply,
-    check_envelope,
-    checksum,
-    float_array,
-    message_bytes,
-    read_metrics,
-    to_array,
-)
-from ..uploads import Parsed, Shape, upload_kind
-from .common import CheckedReplies, ServerModelStrategy, check_common_args
+from .. import entropy, quantizers
+from ..downlink import AnchoredHistory
+from ..params import LayoutError, ModelSpec, layer_mask, state_checksum
+from ..protocol import RejectedReply, checksum
+from ..uploads import Shape, upload_kind
+from .aggregation import ReplyAggregation
+from .dlion_arguments import check_step_and_downlink_arguments, check_update_arguments
+from .downlink_messages import DownlinkMessages
+from .server_state import Broadcast, Round, ServerState
 
-__all__ = ["DistributedLion", "RejectedReply"]
-
-COIN_FLIP_WARNING = 0.05  # warn once when more than this share of the uploaded signs are coin flips
+__all__ = ["Broadcast", "DistributedLion", "RejectedReply", "ServerState"]
 
 
-@dataclass
-class _Broadcast:
-    """One applied Δ, kept encoded so that lagging clients can replay it."""
-
-    version: int  # x's version after applying it
-    num_levels: int
-    lr: float
-    weight_decay: float
-    payload: bytes
-    scales: tuple[float, ...] | None = None  # one per tensor; None: scale 1
-
-
-@dataclass
-class ServerState:
-    """What the server keeps between rounds besides x, and all a checkpoint needs of it.
-
-    ``to_dict`` / ``from_dict`` are the checkpoint's conversion (torch-saveable values only).
-    """
-
-    version: int = 0  # Δs applied to x since the start
-    broadcasts: deque[_Broadcast] = field(default_factory=deque)  # the last Δs, encoded, for lagging clients
-    version_of: dict[int, int] = field(default_factory=dict)  # partition → its replica's version (last valid reply)
-    server_error: torch.Tensor | None = None  # error feedback of a quantized broadcast
-    outer_momentum: torch.Tensor | None = None  # M of the server's Nesterov momentum on Δ (server_momentum > 0)
-    synced_momentum: torch.Tensor | None = None  # the median of the last sync round's momenta, to send next
-    seed_failed: set[int] = field(default_factory=set)  # partitions whose x₀ from the seed did not match
-    x0_checksum: int = 0  # of x₀ and the rest of the model, for clients that build x₀ from the seed
-    anchored: AnchoredHistory | None = None  # the anchored downlink's anchor, counts and kept history
-    context_of: dict[int, int] = field(default_factory=dict)  # partition → version whose last two Δs it holds
-
-    def to_dict(self) -> dict[str, Any]:
-        """The state as plain values (copies)."""
-        return {
-            "version": self.version,
-            "broadcasts": [vars(b).copy() for b in self.broadcasts],
-            "version_of": dict(self.version_of),
-            "server_error": None if self.server_error is None else self.server_error.clone(),
-            "outer_momentum": None if self.outer_momentum is None else self.outer_momentum.clone(),
-            "synced_momentum": None if self.synced_momentum is None else self.synced_momentum.clone(),
-            "seed_failed": sorted(self.seed_failed),
-            "x0_checksum": self.x0_checksum,
-            "anchored": None if self.anchored is None else self.anchored.to_dict(),
-            "context_of": dict(self.context_of),
-        }
-
-    @classmethod
-    def from_dict(cls, state: dict[str, Any]) -> ServerState:
-        """Inverse of :meth:`to_dict`."""
-        return cls(
-            version=int(state["version"]),
-            broadcasts=deque(_Broadcast(**b) for b in state["broadcasts"]),
-            version_of={int(p): int(v) for p, v in state["version_of"].items()},
-            server_error=state["server_error"],
-            outer_momentum=state.get("outer_momentum"),  # absent from checkpoints before it existed
-            synced_momentum=state["synced_momentum"],
-            seed_failed=set(state["seed_failed"]),
-            x0_checksum=int(state["x0_checksum"]),
-            anchored=None if state["anchored"] is None else AnchoredHistory.from_dict(state["anchored"]),
-            context_of={int(p): int(v) for p, v in state["context_of"].items()},
-        )
-
-
-@dataclass
-class _Reply:
-    """One validated client reply."""
-
-    node_id: int
-    upload: Parsed  # its U: the packed signs or encoded levels as received (decoded levels, scales)
-    momentum: torch.Tensor | None  # momentum-sync round: the client's momentum of the synced layers
-    buffers: torch.Tensor | None  # buffer round: the client's buffers, flat float32
-    values: dict[str, float]
-
-
-@dataclass
-class _Round:
-    """What the strategy sent in the round in progress."""
-
-    server_round: int
-    base_version: int
-    base_checksum: int
-    sent: dict[int, str] = field(default_factory=dict)  # node id → kind sent
-    seeded: set[int] = field(default_factory=set)  # nodes told to build x₀ from the seed
-    chain_lengths: dict[int, int] = field(default_factory=dict)  # node id → number of Δs sent
-    momentum_sync: bool = False  # clients upload their momentum this round
-    buffer_sync: bool = False  # clients upload their buffers this round
-    bytes_down: int = 0
-    bytes_down_fp32: int = 0
-    lr: float = 0.0  # the round's learning rate, lr · lr_schedule(server_round)
-
-
-class DistributedLion(ServerModelStrategy):
+class DistributedLion(DownlinkMessages, ReplyAggregation):
     r"""Distributed Lion (Liu et al., 2024) on Flower's Message API.
 
     Each sampled client keeps its own replica of x and its own Lion momentum, and
@@ -334,55 +236,23 @@ class DistributedLion(ServerModelStrategy):
         downlink: Literal["auto", "anchored", "chain"] = "auto",
         anchor_every: int = 200,
     ) -> None:
-        if aggregation not in ("vote", "mean"):
-            raise ValueError(f"aggregation must be 'vote' or 'mean', got {aggregation!r}")
-        kind = upload_kind(upload)  # ValueError naming the choices
-        for name, value in (("local_steps", local_steps), ("accumulate", accumulate)):
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        if not 0 <= broadcast_bits <= 8:
-            raise ValueError(f"broadcast_bits must be in [0, 8] (0: exact), got {broadcast_bits}")
-        for name, value in (("momentum_sync_every", momentum_sync_every), ("buffer_sync_every", buffer_sync_every)):
-            if value < 0:
-                raise ValueError(f"{name} must be >= 0 (0: never), got {value}")
-        if local_optimizer not in ("lion", "sgd"):
-            raise ValueError(f"local_optimizer must be 'lion' or 'sgd', got {local_optimizer!r}")
-        if local_optimizer == "lion" and local_lr is not None:
-            raise ValueError(f"local_lr={local_lr} applies to local_optimizer='sgd' only (local Lion steps use lr)")
-        if local_optimizer == "sgd":
-            if local_lr is None or not (math.isfinite(local_lr) and local_lr > 0):
-                raise ValueError(f"local_optimizer='sgd' needs local_lr finite and > 0, got {local_lr}")
-            if upload != "sign" or accumulate != 1:
-                raise ValueError(
-                    "local_optimizer='sgd' uploads the sign of one Lion step on the local SGD delta: it needs "
-                    f"upload='sign' and accumulate=1, got upload={upload!r}, accumulate={accumulate}"
-                )
-        lion_steps = 1 if local_optimizer == "sgd" else local_steps  # Lion steps a round counts
-        if stale_momentum not in ("keep", "decay", "reset"):
-            raise ValueError(f"stale_momentum must be 'keep', 'decay' or 'reset', got {stale_momentum!r}")
-        if not (math.isfinite(local_proximal_mu) and local_proximal_mu >= 0):
-            raise ValueError(f"local_proximal_mu must be finite and >= 0 (0: off), got {local_proximal_mu}")
-        if local_proximal_mu and local_steps == 1:
-            raise ValueError(
-                f"local_proximal_mu={local_proximal_mu} needs local_steps > 1: one step starts and ends at x"
-            )
-        if not (math.isfinite(server_momentum) and 0.0 <= server_momentum < 1.0):
-            raise ValueError(f"server_momentum must be in [0, 1) (0: off), got {server_momentum}")
-        if server_momentum and not broadcast_bits:
-            raise ValueError(
-                f"server_momentum={server_momentum} needs broadcast_bits >= 1: the momentum step Δ + μ·M "
-                "has no exact low-bit form, so it is quantized with error feedback"
-            )
-        if scale_block < 0:
-            raise ValueError(f"scale_block must be >= 0 (0: one scale per tensor), got {scale_block}")
-        if scale_block and upload != "ef-sign" and not broadcast_bits:
-            raise ValueError(
-                f"scale_block={scale_block} needs scales: upload='ef-sign' or broadcast_bits >= 1 "
-                f"(got upload={upload!r}, broadcast_bits=0)"
-            )
-        if upload == "ef-sign" and aggregation == "mean" and broadcast_bits == 0:
-            raise ValueError("upload='ef-sign' with aggregation='mean' needs broadcast_bits >= 1 (no exact form)")
-        super().__init__(
+        # Check every argument (ValueError naming it), then store them.
+        check_update_arguments(
+            aggregation=aggregation,
+            upload=upload,
+            local_steps=local_steps,
+            accumulate=accumulate,
+            broadcast_bits=broadcast_bits,
+            momentum_sync_every=momentum_sync_every,
+            buffer_sync_every=buffer_sync_every,
+            local_optimizer=local_optimizer,
+            local_lr=local_lr,
+            stale_momentum=stale_momentum,
+            local_proximal_mu=local_proximal_mu,
+            server_momentum=server_momentum,
+            scale_block=scale_block,
+        )
+        super().__init__(  # checks and keeps the sampling arguments
             fraction_train=fraction_train,
             min_train_nodes=min_train_nodes,
             min_available_nodes=min_available_nodes,
@@ -391,38 +261,22 @@ class DistributedLion(ServerModelStrategy):
             fraction_evaluate=fraction_evaluate,
             min_evaluate_nodes=min_evaluate_nodes,
         )
-        check_common_args(
+        lion_steps = 1 if local_optimizer == "sgd" else local_steps  # Lion steps a round counts
+        check_step_and_downlink_arguments(
             lr=lr,
             weight_decay=weight_decay,
-            betas={"beta1": beta1, "beta2": beta2},
+            beta1=beta1,
+            beta2=beta2,
+            lion_steps=lion_steps,
+            local_steps=local_steps,
+            max_history_bytes=max_history_bytes,
+            aggregation=aggregation,
+            broadcast_bits=broadcast_bits,
+            downlink=downlink,
+            lr_schedule=lr_schedule,
+            anchor_every=anchor_every,
         )
-        if lr * weight_decay * lion_steps >= 1.0:
-            raise ValueError(
-                f"lr * weight_decay * local_steps must be < 1 (got {lr * weight_decay * lion_steps}): "
-                "x would flip sign every round"
-            )
-        if max_history_bytes is not None and max_history_bytes < 0:
-            raise ValueError(f"max_history_bytes must be >= 0 or None, got {max_history_bytes}")
         exact_vote = aggregation == "vote" and broadcast_bits == 0
-        if downlink not in ("auto", "anchored", "chain"):
-            raise ValueError(f"downlink must be 'auto', 'anchored' or 'chain', got {downlink!r}")
-        if lr_schedule is not None and not callable(lr_schedule):
-            raise ValueError(f"lr_schedule must be a function of the server round or None, got {lr_schedule!r}")
-        if downlink == "anchored" and lr_schedule is not None:
-            raise ValueError(
-                "downlink='anchored' needs a constant learning rate (x = γ·xₐ − η·C), got an lr_schedule; "
-                "use 'chain' or 'auto'"
-            )
-        if downlink == "anchored" and not exact_vote:
-            raise ValueError(
-                f"downlink='anchored' needs integer Δs: aggregation='vote' and broadcast_bits=0 "
-                f"(got aggregation={aggregation!r}, broadcast_bits={broadcast_bits}); use 'chain' or 'auto'"
-            )
-        if not 1 <= anchor_every * lion_steps <= 1 << 20:
-            raise ValueError(
-                f"anchor_every must be >= 1 with anchor_every * local_steps <= 2**20 (the counts' range), "
-                f"got {anchor_every} (local_steps={local_steps})"
-            )
         self.aggregation = aggregation
         self.lr = lr
         self.lr_schedule = lr_schedule
@@ -438,7 +292,7 @@ class DistributedLion(ServerModelStrategy):
         self._lion_steps = lion_steps  # K for local Lion steps, 1 for the sgd client: Δ's scale and decay
         self.accumulate = accumulate
         self.upload = upload
-        self._kind = kind
+        self._kind = upload_kind(upload)
         self.broadcast_bits = broadcast_bits
         self.scale_block = scale_block
         self.server_momentum = server_momentum
@@ -453,7 +307,7 @@ class DistributedLion(ServerModelStrategy):
 
         # Global model and its bookkeeping, set from the initial arrays in round 1.
         self.state = ServerState()
-        self._round: _Round | None = None
+        self._round: Round | None = None
         self._mask: torch.Tensor | None = None  # parameters whose momentum is synchronized
         self._state_resets = 0  # nodes found without their state since the last round
         self._resyncs = 0  # replies of the round in progress that showed a replica checksum/version mismatch
@@ -606,26 +460,11 @@ class DistributedLion(ServerModelStrategy):
             self._init_model(arrays, self._described)
             self._initial = None
         assert self.x is not None
-        rnd = _Round(server_round, self.state.version, checksum(self.x), lr=self.lr_at(server_round))
+        rnd = Round(server_round, self.state.version, checksum(self.x), lr=self.lr_at(server_round))
         rnd.momentum_sync = bool(self.momentum_sync_every) and server_round % self.momentum_sync_every == 0
         rnd.buffer_sync = self._buffer_round(server_round)
         self._round = rnd
-        messages = []
-        for node_id in node_ids:
-            content, kind, payload_len = self._content_for(node_id, server_round, rnd)
-            if len(config):  # the ServerApp's train_config, where FedAvg puts it
-                content[USER_CONFIG] = config
-            if self.state.synced_momentum is not None:  # the median of the last sync round's momenta
-                content[MOMENTUM] = ArrayRecord({"m": Array(self.state.synced_momentum.numpy())})
-            msg = Message(
-                content=content, dst_node_id=node_id, message_type=MessageType.TRAIN, group_id=str(server_round)
-            )
-            size = message_bytes(msg)
-            rnd.sent[node_id] = kind
-            rnd.bytes_down += size
-            needs_model = kind != "none" or node_id in rnd.seeded
-            rnd.bytes_down_fp32 += size - payload_len + (4 * self.num_parameters if needs_model else 0)
-            messages.append(msg)
+        messages = [self._message_for(node_id, server_round, rnd, config) for node_id in node_ids]  # downlink_messages
         self.state.synced_momentum = None
         self._outbox = messages
         return messages
@@ -637,306 +476,13 @@ class DistributedLion(ServerModelStrategy):
             return False
         return server_round == 1 or server_round % every == 0 or server_round == self.num_rounds
 
-    def _round_config(self, server_round: int, rnd: _Round) -> ConfigRecord:
-        """The keys every client gets this round (non-default options only, to save bytes)."""
-        round_config = ConfigRecord(
-            {"server-round": server_round, "version": self.state.version, "seed": self.sample_seed}
-        )
-        round_config.update({"beta1": self.beta1, "beta2": self.beta2})
-        if self.local_optimizer == "sgd":
-            round_config.update(
-                {"local-steps": self.local_steps, "local-optimizer": "sgd", "local-lr": float(self.local_lr or 0.0)}
-            )
-        elif self.local_steps > 1:
-            round_config.update(
-                {"local-steps": self.local_steps, "local-lr": rnd.lr, "local-weight-decay": self.weight_decay}
-            )
-        if self.local_proximal_mu:
-            round_config["local-proximal-mu"] = self.local_proximal_mu
-        if self.stale_momentum != "keep":
-            round_config["stale-momentum"] = self.stale_momentum
-        if self.accumulate > 1:
-            round_config["accumulate"] = self.accumulate
-        if self.upload != "sign":
-            round_config["upload"] = self.upload
-        if self.scale_block:
-            round_config["scale-block"] = self.scale_block
-        if rnd.momentum_sync:
-            round_config["momentum-sync"] = 1
-        if rnd.buffer_sync:
-            round_config["buffers"] = 1
-        if self.momentum_sync_every and self.momentum_sync_layers:
-            round_config["momentum-sync-layers"] = ",".join(self.momentum_sync_layers)
-        if self.state_key:
-            round_config.update(self._hello_config(server_round))
-            round_config["keep-round"] = self.checkpoint_round
-        return round_config
-
-    def _hello_config(self, server_round: int) -> ConfigRecord:
-        """With state files: the run's key and the round whose end state a node starts from."""
-        if not self.state_key:
-            return ConfigRecord()
-        return ConfigRecord({"state-key": self.state_key, "state-round": server_round - 1})
-
-    def _on_new_node(self, pid: int, node_id: int, version: int, previous: int | None) -> None:
-        """Keep the partition's version if the node can start from it; else it gets the full model."""
-        super()._on_new_node(pid, node_id, version, previous)
-        known = self.state.version_of.get(pid)
-        if known is None or known == version or (not self.anchored and known <= version <= self.state.version):
-            return  # a new partition (full model), or a node that holds its replica (Δs since `known`)
-        self.state.version_of.pop(pid)
-        self._state_resets += 1
-        log(
-            WARNING,
-            "partition %d (node %d) %s: it gets the full model%s",
-            pid,
-            node_id,
-            "has no state (a restarted SuperNode?)" if version < 0 else f"is at version {version}, not {known}",
-            " and starts a fresh momentum" if version < 0 else "",
-        )
-
-    def _content_for(self, node_id: int, server_round: int, rnd: _Round) -> tuple[RecordDict, str, int]:
-        """The message content for one node, its kind, and its payload length in bytes."""
-        assert self.x is not None
-        round_config = self._round_config(server_round, rnd)
-        pid = self.partition_of(node_id)
-        have = self.state.version_of.get(pid)
-        if self.state.anchored is not None and have != self.state.version:
-            return self._anchored_content(node_id, pid, have, round_config, rnd)
-        if have is None and self.init_seed is not None and pid not in self.state.seed_failed:
-            if self.state.version == 0 or self._chain_since(0) is not None:  # x₀ from the seed, then the Δs
-                have = 0
-                rnd.seeded.add(node_id)
-                round_config.update(
-                    {
-                        "init-seed": self.init_seed,
-                        "init-checksum": self.state.x0_checksum,
-                        "layout": layout_fingerprint(self._layout),
-                    }
-                )
-        chain = self._chain_since(have) if have is not None else None
-        if have == self.state.version:
-            round_config.update({"kind": "none", "base-version": have})
-            return RecordDict({CONFIG: round_config}), "none", 0
-        if chain is not None:
-            rnd.chain_lengths[node_id] = len(chain)
-            payload = b"".join(b.payload for b in chain)
-            round_config.update(
-                {
-                    "kind": "deltas",
-                    "base-version": have,
-                    "num-levels": [b.num_levels for b in chain],
-                    "lr": [b.lr for b in chain],
-                    "weight-decay": [b.weight_decay for b in chain],
-                }
-            )
-            if any(b.scales is not None for b in chain):
-                ones = (1.0,) * len(self._scale_sizes)
-                round_config["scales"] = [v for b in chain for v in (b.scales if b.scales is not None else ones)]
-            array = Array(dtype="level", shape=(len(chain) * self.num_parameters,), stype=LEVELS_STYPE, data=payload)
-            return (
-                RecordDict({CONFIG: round_config, BROADCAST: ArrayRecord({"payload": array})}),
-                "deltas",
-                len(payload),
-            )
-        round_config.update({"kind": "full", "base-version": -1, "layout": layout_fingerprint(self._layout)})
-        content = RecordDict({CONFIG: round_config, BROADCAST: ArrayRecord({"payload": to_array(self.x.numpy())})})
-        if self._rest:  # frozen parameters and buffers
-            content[REST] = ArrayRecord({name: to_array(a) for name, a in self._rest.items()})
-        return content, "full", 4 * self.num_parameters
-
-    def _anchored_content(
-        self, node_id: int, pid: int, have: int | None, round_config: ConfigRecord, rnd: _Round
-    ) -> tuple[RecordDict, str, int]:
-        """The anchored downlink's message for one node: the smallest that brings it to x.
-
-        The counts since its version, x₀'s seed and the counts since 0, or the anchor and the
-        counts since it (see :mod:`flower_dlion.downlink`).
-        """
-        history = self.state.anchored
-        assert history is not None and self.x is not None
-        version, d = self.state.version, self.num_parameters
-        options: list[tuple[int, str, int, list[Segment]]] = []  # (bytes, kind, base version, segments)
-        if have is not None and (segments := history.segments(have, self.state.context_of.get(pid) == have)):
-            options.append((sum(len(s.payload) for s in segments), "counts", have, segments))
-        if self.init_seed is not None and pid not in self.state.seed_failed:  # x₀ from the seed, also for a
-            segments = history.segments(0) if version else []  # known node whose version is no longer served
-            if segments is not None:
-                options.append((sum(len(s.payload) for s in segments), "seed", 0, segments))
-        start = history.epoch.start
-        segments = history.segments(start) if version > start else []
-        assert segments is not None, "the counts since the anchor are always kept"
-        options.append((4 * d + sum(len(s.payload) for s in segments), "full", start, segments))
-        size, kind, base, segments = min(options, key=lambda o: o[0])
-        round_config.update({"kind": "full" if kind == "full" else "counts", "base-version": base})
-        round_config["anchor-every"] = self.anchor_every
-        records: dict[str, Array] = {}
-        if kind == "seed":
-            rnd.seeded.add(node_id)
-            round_config.update(
-                {
-                    "init-seed": self.init_seed,
-                    "init-checksum": self.state.x0_checksum,
-                    "layout": layout_fingerprint(self._layout),
-                }
-            )
-        if kind == "full":
-            round_config.update({"anchor-version": start, "layout": layout_fingerprint(self._layout)})
-            records["payload"] = to_array(history.anchor.numpy())
-        if segments:
-            if kind != "full":
-                rnd.chain_lengths[node_id] = version - base
-            round_config.update(
-                {
-                    "segment-end": [s.end for s in segments],
-                    "segment-decay": [s.decay for s in segments],
-                    "segment-step": [s.step for s in segments],
-                    "segment-refresh": [int(s.refresh) for s in segments],
-                    "segment-context": [int(s.context) for s in segments],
-                    "segment-bytes": [len(s.payload) for s in segments],
-                }
-            )
-            data = b"".join(s.payload for s in segments)
-            records["counts"] = Array(dtype="coded", shape=(len(data),), stype=CODED_STYPE, data=data)
-        content = RecordDict({CONFIG: round_config})
-        if records:
-            content[BROADCAST] = ArrayRecord(records)
-        if kind == "full" and self._rest:  # frozen parameters and buffers
-            content[REST] = ArrayRecord({name: to_array(a) for name, a in self._rest.items()})
-        return content, "full" if kind == "full" else "counts", size
-
-    def _chain_since(self, have: int) -> list[_Broadcast] | None:
-        """The Δs from version ``have`` to now, if kept and smaller than the full model."""
-        needed = self.state.version - have
-        if needed <= 0 or needed > len(self.state.broadcasts):
-            return None
-        chain = list(self.state.broadcasts)[-needed:]
-        if chain[0].version != have + 1 or sum(len(b.payload) for b in chain) >= 4 * self.num_parameters:
-            return None
-        return chain
-
-    def _expected_arrays(self, rnd: _Round) -> dict[str, tuple[str, str, int]]:
-        """Array name → (stype or "", dtype, bytes) that a valid reply holds this round."""
-        out = self._kind.expected(self._shape)
-        if rnd.momentum_sync:
-            assert self._mask is not None
-            out["momentum"] = ("numpy.ndarray", "float32", 4 * int(self._mask.sum()))
-        if rnd.buffer_sync:
-            assert self.spec is not None
-            out["buffers"] = ("numpy.ndarray", "float32", 4 * self.spec.num_buffer_values)
-        return out
-
-    def _check_reply(self, msg: Message, rnd: _Round) -> _Reply:
-        """Validate one reply; return it parsed, or raise RejectedReply."""
-        node_id = msg.metadata.src_node_id
-        check_envelope(msg, rnd.sent.keys(), rnd.server_round, (UPLOAD, METRICS))
-        content = msg.content
-        record = content[UPLOAD]
-        expected = self._expected_arrays(rnd)
-        if not isinstance(record, ArrayRecord) or set(record.keys()) != set(expected):
-            got = sorted(record.keys()) if isinstance(record, ArrayRecord) else type(record).__name__
-            raise RejectedReply(f"'{UPLOAD}' must be an ArrayRecord holding {sorted(expected)}, got {got}")
-        d = self.num_parameters
-        floats = {}
-        for name, (stype, dtype, nbytes) in expected.items():
-            arr = record[name]
-            if not isinstance(arr, Array):
-                raise RejectedReply(f"{name!r} is a {type(arr).__name__}, expected an Array")
-            if dtype == "float32":  # scales, momenta and buffers: exact shape and size, finite
-                a = torch.from_numpy(float_array(arr, (nbytes // 4,), name).copy())
-                if not bool(torch.isfinite(a).all()) or (name == "scales" and bool((a < 0).any())):
-                    raise RejectedReply(
-                        f"Array {name!r} has non-finite{' or negative' if name == 'scales' else ''} values"
-                    )
-                floats[name] = a
-                continue
-            if arr.stype != stype or arr.dtype != dtype:
-                raise RejectedReply(
-                    f"Array {name!r} has stype {arr.stype!r} dtype {arr.dtype!r}, expected {stype!r} {dtype!r}"
-                )
-            if tuple(arr.shape) != (d,):
-                raise RejectedReply(f"Array {name!r} shape {tuple(arr.shape)}, expected {(d,)}")
-            if len(arr.data) != nbytes:
-                raise RejectedReply(f"Array {name!r} has {len(arr.data)} bytes, expected {nbytes} for d={d}")
-        upload = self._kind.parse(record[self._kind.main].data, floats, self._shape)
-        values = read_metrics(content, METRICS, REPLY_METRICS, optional=OPTIONAL_REPLY_METRICS)
-        flips = values.get("coin-flips", 0)
-        if not (isinstance(flips, int) and 0 <= flips <= d):
-            raise RejectedReply(f"metric 'coin-flips' is {flips!r}, expected an integer in [0, {d}]")
-        if values["version"] != rnd.base_version:
-            raise RejectedReply(
-                f"replica at version {values['version']}, expected {rnd.base_version}: full resync next round",
-                resync=True,
-            )
-        if values["checksum"] != rnd.base_checksum:
-            raise RejectedReply(
-                f"replica checksum {values['checksum']} differs from the server's {rnd.base_checksum}: "
-                "full resync next round",
-                resync=True,
-            )
-        momentum, buffers = floats.get("momentum"), floats.get("buffers")
-        return _Reply(node_id, upload, momentum, buffers, values)
-
-    def _aggregate(self, replies: list[_Reply]) -> tuple[codec.PackedAggregate, tuple[float, ...] | None]:
-        """Δ of n valid replies: its levels, broadcast bytes and per-tensor scales, with S's ties and Σ|S|.
-
-        Signs broadcast exactly (the default) are aggregated from their packed bits
-        (:func:`codec.aggregate_packed`: no d-sized integer array); the other forms from S
-        (Σ|S| is 0 for the float S of scaled signs, whose agreement is not reported).
-        """
-        k = self._lion_steps
-        if self.upload == "sign" and self.broadcast_bits == 0:  # the levels of sign(S) or S/n; Δ is K times them
-            update = codec.aggregate_packed([r.upload.data for r in replies], self.num_parameters, self.aggregation)
-            return update, ((float(k),) * len(self._scale_sizes) if k > 1 else None)
-        votes = self._vote_sum(replies)
-        levels, scales = self._update(votes, len(replies))
-        ties = int(torch.count_nonzero(votes == 0))
-        sum_abs = 0  # S is not needed after this: |S| in place, summed by numpy (4× torch's int sum)
-        if not votes.dtype.is_floating_point:
-            sum_abs = int(votes.abs_().numpy().sum(dtype=np.int64))
-        encoded = codec.encode_levels(levels.levels, levels.num_levels).numpy().tobytes()
-        return codec.PackedAggregate(levels.levels, levels.num_levels, encoded, ties, sum_abs), scales
-
-    def _vote_sum(self, replies: list[_Reply]) -> torch.Tensor:
-        """S = Σᵢ Uᵢ (int32 for sign and sum uploads, float32 for scaled signs; see :mod:`flower_dlion.uploads`).
-
-        Scaled signs count with their scales cut to the round's lower median per tensor
-        (``bounds.clip_scales``): no client weighs more than the median client.
-        """
-        uploads = [r.upload for r in replies]
-        total, self._clipped = self._kind.total(uploads, self._shape)
-        return total
-
-    def _update(self, votes: torch.Tensor, n: int) -> tuple[lion.Levels, tuple[float, ...] | None]:
-        """Δ (in local steps) as levels and per-tensor scales, from S of n valid replies."""
-        k, num_tensors = self._lion_steps, len(self._scale_sizes)
-        if self.broadcast_bits == 0:  # exact: Δ = K·sign(S) or S/n as levels
-            if votes.dtype.is_floating_point:  # weighted vote of scaled signs
-                levels = lion.Levels((torch.sign(votes) + 1).to(torch.int32), 3)
-            else:
-                levels = lion.aggregate(votes, n, self.aggregation, k=k)  # the sum upload (signs: _aggregate)
-            return levels, ((float(k),) * num_tensors if k > 1 else None)
-        if self.aggregation == "vote":
-            target = torch.sign(votes).float() * k
-        elif self.upload == "sign":
-            target = votes.float() * (k / n)
-        else:
-            target = votes.float() / n
-        if self.server_momentum:  # Nesterov: M ← μ·M + Δ, step Δ + μ·M
-            if self.state.outer_momentum is None:
-                self.state.outer_momentum = torch.zeros_like(target)
-            momentum = self.state.outer_momentum.mul_(self.server_momentum).add_(target)
-            target = target.add_(momentum, alpha=self.server_momentum)
-        if self.state.server_error is None:
-            self.state.server_error = torch.zeros_like(target)
-        num_levels = 2 if self.broadcast_bits == 1 else 2**self.broadcast_bits - 1
-        levels, scales = quantizers.ef_quantize_(target, self.state.server_error, self._scale_sizes, num_levels)
-        return lion.Levels(levels, num_levels), tuple(float(v) for v in scales)
-
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Validate the replies, vote or average their updates, apply Δ to x, and return x."""
+        """Validate the replies, vote or average their updates, apply Δ to x, and return x.
+
+        The steps (``_check_reply``, ``_apply``, ``_round_metrics``) are in :mod:`.aggregation`.
+        """
         rnd = self._round
         if rnd is None or rnd.server_round != server_round or self.x is None:
             raise RuntimeError(f"aggregate_train({server_round}) without configure_train for that round")
@@ -965,118 +511,6 @@ class DistributedLion(ServerModelStrategy):
         self._state_resets = self._resyncs = 0
         return self.arrays(), MetricRecord(metrics)
 
-    def result_row(self) -> dict[str, int | float]:
-        """The last round's fields for ``results.jsonl`` (see :class:`flower_dlion.results.Recorder`)."""
-        m = self.history[-1]
-        keys = ("num-rejected", "num-failed", "full-syncs", "catch-ups", "checksum-mismatches", "state-resets")
-        keys += ("applied", "bytes-up-fp32", "bytes-down-fp32", "tie-fraction", "agreement", "coin-flip-fraction")
-        return {key.replace("-", "_"): m[key] for key in keys}
-
-    def result_summary(self, bytes_up: int, bytes_down: int) -> dict[str, float]:
-        """How many times fewer bytes than float32 messages the run sent, up and down."""
-        return {
-            f"fp32_over_sent_{key}": sum(m[f"bytes-{key}-fp32"] for m in self.history) / max(sent, 1)
-            for key, sent in (("up", bytes_up), ("down", bytes_down))
-        }
-
-    def _on_rejected(self, msg: Message, node_id: int, pid: int, err: RejectedReply, again: bool) -> None:
-        """A refused reply from a node of this round: what it says about the node's replica."""
-        rnd = self._round
-        assert rnd is not None
-        if node_id not in rnd.sent or again:
-            return  # a stray reply says nothing about the node's replica
-        if err.resync or (msg.has_error() and CLIENT_STATE_ERROR in msg.error.reason):
-            self.state.version_of.pop(pid, None)  # its replica is unknown: the full model next time
-            self._resyncs += int(err.resync)
-            if msg.has_error() and node_id in rnd.seeded and SEED_MISMATCH in msg.error.reason:
-                self.state.seed_failed.add(pid)  # the full model from now on
-
-    def _apply(self, valid: list[_Reply], rnd: _Round) -> tuple[float, float]:
-        """Aggregate the valid replies into Δ, apply it to x, keep it for lagging clients.
-
-        Also combines the round's momenta and buffers. Returns the share of tied coordinates
-        and the agreement (mean |S| / (n·scale); NaN for ef-sign).
-        """
-        assert self.x is not None
-        d, n = self.num_parameters, len(valid)
-        update, scales = self._aggregate(valid)
-        history = self.state.anchored
-        if history is not None:  # x = γ·xₐ − η·C (Δ = K·L, the K in η)
-            signs = levels_to_signs(update.levels, update.num_levels)
-            self.x.copy_(history.apply(signs, update.num_levels, update.encoded))
-            self.state.version += 1
-        else:
-            weight_decay = self.weight_decay * self._lion_steps  # K local Lion steps' worth of decay
-            s = None if scales is None else torch.tensor(scales)
-            sizes = self._scale_sizes
-            quantizers.apply_delta_(self.x, update.levels, update.num_levels, s, sizes, rnd.lr, weight_decay)
-            self.state.version += 1
-            broadcast = _Broadcast(self.state.version, update.num_levels, rnd.lr, weight_decay, update.encoded, scales)
-            self._remember(broadcast)
-        agreement = update.sum_abs / (d * n * self._kind.agreement_scale(self._lion_steps))
-        if rnd.momentum_sync:
-            self.state.synced_momentum = median_momentum([r.momentum for r in valid if r.momentum is not None])
-        if rnd.buffer_sync:
-            self._combine_buffers(valid)
-        return update.ties / d, agreement
-
-    def _round_metrics(
-        self,
-        rnd: _Round,
-        replies: list[Message],
-        valid: list[_Reply],
-        checked: CheckedReplies[_Reply],
-        applied: bool,
-        tie_fraction: float,
-        agreement: float,
-    ) -> dict[str, int | float]:
-        """The round's row: replies, faults, bytes as measured and as fp32 would have been, coin flips."""
-        d, n = self.num_parameters, len(valid)
-        bytes_up = sum(message_bytes(msg) for msg in replies)
-        flip_fraction = sum(r.values.get("coin-flips", 0) for r in valid) / (d * n) if n else 0.0
-        if flip_fraction > COIN_FLIP_WARNING and not self._told_flips:
-            self._told_flips = True
-            log(
-                WARNING,
-                "round %d: %.1f %% of the uploaded signs were coin flips: exact zeros of β₁·m + (1−β₁)·g, which "
-                "1 bit cannot carry (e.g. ReLU units inactive on a whole batch); those coordinates move by ±lr at "
-                "random (metric coin-flip-fraction; SiLU/GELU or a larger batch avoid it)",
-                rnd.server_round,
-                100 * flip_fraction,
-            )
-        losses = [r.values["train-loss"] for r in valid]
-        examples = [r.values["num-examples"] for r in valid]
-        total = sum(examples)
-        clipped, self._clipped = self._clipped, 0
-        fp32_extra = sum(4 * d - len(r.upload.data) for r in valid)  # each valid reply's U as float32 instead
-        return {
-            "num-replies": n,
-            "num-rejected": checked.rejected,
-            "num-failed": len(set(rnd.sent) - checked.answered),
-            "num-sampled": len(rnd.sent),
-            "full-syncs": sum(1 for kind in rnd.sent.values() if kind == "full"),
-            "catch-ups": sum(1 for b in rnd.chain_lengths.values() if b > 1),
-            "checksum-mismatches": self._resyncs,
-            "state-resets": self._state_resets,
-            "applied": int(applied),
-            "version": self.state.version,
-            "train-loss": sum(v * e for v, e in zip(losses, examples, strict=True)) / total if total else math.nan,
-            "num-examples": int(total),
-            "bytes-up": int(bytes_up),
-            "bytes-down": int(rnd.bytes_down),
-            "bytes-up-fp32": int(bytes_up + fp32_extra),
-            "bytes-down-fp32": int(rnd.bytes_down_fp32),
-            "tie-fraction": tie_fraction,
-            "agreement": agreement,
-            "coin-flip-fraction": flip_fraction,
-            "clipped-scales": clipped,
-        }
-
-    def _combine_buffers(self, replies: list[_Reply]) -> None:
-        """The server's buffers ← the median of the replies' (``bounds.robust_buffers``)."""
-        assert self.spec is not None
-        self._rest.update(robust_buffers(self.spec, [r.buffers.numpy() for r in replies if r.buffers is not None]))
-
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """x, the server state (:class:`ServerState`), the run's state key and the metrics so far."""
@@ -1097,10 +531,3 @@ class DistributedLion(ServerModelStrategy):
         self.state_key = str(state["state_key"])
         self.history = [dict(h) for h in state["history"]]
         self._round = None
-
-    def _remember(self, broadcast: _Broadcast) -> None:
-        """Keep encoded Δs for lagging clients, up to ``max_history_bytes``."""
-        self.state.broadcasts.append(broadcast)
-        limit = 4 * self.num_parameters if self.max_history_bytes is None else self.max_history_bytes
-        while self.state.broadcasts and sum(len(b.payload) for b in self.state.broadcasts) > limit:
-            self.state.broadcasts.popleft()

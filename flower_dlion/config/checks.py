@@ -1,8 +1,4 @@
-"""Run configuration: every key of ``[tool.flwr.app.config]``, its default and its check.
-
-``DEFAULTS`` mirrors the table in ``pyproject.toml`` (a test keeps them equal), so code
-that gets an empty run config (``run_simulation``, unit tests) behaves like ``flwr run``.
-"""
+"""Checking a run config: known keys, the defaults' types, ranges, and the keys that must go together."""
 
 from __future__ import annotations
 
@@ -10,130 +6,9 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = [
-    "BYZANTINE_MODES",
-    "DEFAULTS",
-    "DLION_ONLY",
-    "DLION_STRATEGIES",
-    "FEDAVG_FAMILY",
-    "FEDOPT",
-    "STRATEGIES",
-    "read_config",
-]
+from .keys import _CHOICES, DEFAULTS, DLION_ONLY, DLION_STRATEGIES, FEDAVG_FAMILY, FEDOPT
 
-DEFAULTS: dict[str, Any] = {
-    "num-server-rounds": 200,
-    "strategy": "dlion-vote",
-    "model": "cnn",
-    "lr": 0.002,
-    "lr-schedule": "constant",
-    "lr-final": 0.0,
-    "weight-decay": 0.1,
-    "beta1": 0.9,
-    "beta2": 0.99,
-    "momentum": 0.9,
-    "local-epochs": 1,
-    "local-batches": 0,
-    "local-steps": 1,
-    "local-optimizer": "lion",
-    "local-lr": 0.0,
-    "local-proximal-mu": 0.0,
-    "stale-momentum": "keep",
-    "accumulate": 1,
-    "upload": "sign",
-    "broadcast-bits": 0,
-    "scale-block": 0,
-    "server-momentum": 0.0,
-    "momentum-sync-every": 0,
-    "momentum-sync-layers": "",
-    "init": "seed",
-    "downlink": "auto",
-    "anchor-every": 200,
-    "batch-size": 64,
-    "fraction-train": 1.0,
-    "min-train-nodes": 2,
-    "min-available-nodes": 2,
-    "min-replies": 1,
-    "partitioner": "dirichlet",
-    "alpha": 0.5,
-    "classes-per-partition": 2,
-    "seed": 0,
-    "eval-every": 20,
-    "holdout": 0,
-    "results-dir": "",
-    "data-dir": "",
-    "device": "auto",
-    "round-timeout": 3600.0,
-    "poll-interval": 0.0,
-    "fail-fraction": 0.0,
-    "byzantine-fraction": 0.0,
-    "byzantine-mode": "flip",
-    "byzantine-scale": 1.0,
-    "checkpoint-every": 0,
-    "resume": "",
-    "client-state-dir": "",
-    "state-in-context": True,
-    "momentum-dtype": "float32",
-    "proximal-mu": 0.01,
-    "server-lr": 0.01,
-    "server-tau": 0.001,
-}
-
-# Flower's FedAvg, its robust aggregators, FedProx and the adaptive server optimizers (FedAdam,
-# FedYogi): the same client (local SGD epochs, the model out)
-FEDOPT = ("fedadam", "fedyogi")
-FEDAVG_FAMILY = (
-    "fedavg",
-    "fedprox",
-    *FEDOPT,
-    "scaffold",
-    "fedmedian",
-    "fedtrimmedavg",
-    "krum",
-    "multikrum",
-    "bulyan",
-)
-STRATEGIES = ("dlion-vote", "dlion-mean", "signsgd-vote", "global-lion", "global-adamw", "terngrad", *FEDAVG_FAMILY)
-
-BYZANTINE_MODES = ("flip", "random", "scale", "momentum", "little")  # clients/attacks.py
-
-_CHOICES = {
-    "strategy": STRATEGIES,
-    "model": ("cnn", "cnn-bn"),  # model.MODELS
-    "partitioner": ("iid", "dirichlet", "pathological", "shard"),
-    "device": ("auto", "cpu", "cuda"),
-    "upload": ("sign", "sum", "ef-sign"),
-    "local-optimizer": ("lion", "sgd"),
-    "stale-momentum": ("keep", "decay", "reset"),
-    "lr-schedule": ("constant", "cosine"),
-    "init": ("full", "seed"),
-    "downlink": ("auto", "anchored", "chain"),
-    "byzantine-mode": BYZANTINE_MODES,
-    "momentum-dtype": ("float32", "bfloat16"),
-}
-
-DLION_STRATEGIES = ("dlion-vote", "dlion-mean", "signsgd-vote")
-# Keys that only the Distributed Lion family reads; their defaults turn them off.
-DLION_ONLY = (
-    "client-state-dir",
-    "state-in-context",
-    "momentum-dtype",
-    "local-steps",
-    "local-optimizer",
-    "local-lr",
-    "local-proximal-mu",
-    "stale-momentum",
-    "accumulate",
-    "upload",
-    "broadcast-bits",
-    "scale-block",
-    "server-momentum",
-    "momentum-sync-every",
-    "momentum-sync-layers",
-    "init",
-    "downlink",
-    "anchor-every",
-)
+__all__ = ["read_config"]
 
 
 def read_config(run_config: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -142,9 +17,20 @@ def read_config(run_config: Mapping[str, Any] | None) -> dict[str, Any]:
     Raises
     ------
     ValueError
-        For an unknown key, a value of the wrong type, or a value out of range.
+        For an unknown key, a value of the wrong type, a value out of range, or keys that
+        do not go together; the message names the key, the value and what is allowed.
 
     """
+    cfg = _merged(run_config)
+    for check in (_check_ranges, _check_algorithm, _check_lr_schedule, _check_local_optimizer, _check_baselines):
+        check(cfg)
+    _check_faults(cfg)
+    _check_persistence(cfg)
+    return cfg
+
+
+def _merged(run_config: Mapping[str, Any] | None) -> dict[str, Any]:
+    """:data:`DEFAULTS` with ``run_config`` over them: known keys, the defaults' types, allowed choices."""
     run_config = dict(run_config or {})
     unknown = sorted(set(run_config) - set(DEFAULTS))
     if unknown:
@@ -160,20 +46,27 @@ def read_config(run_config: Mapping[str, Any] | None) -> dict[str, Any]:
     for key, choices in _CHOICES.items():
         if cfg[key] not in choices:
             raise ValueError(f"run-config '{key}' must be one of {choices}, got {cfg[key]!r}")
-    positive = (
-        "num-server-rounds",
-        "batch-size",
-        "eval-every",
-        "min-replies",
-        "min-train-nodes",
-        "min-available-nodes",
-        "classes-per-partition",
-        "local-epochs",
-        "local-steps",
-        "accumulate",
-        "anchor-every",
-    )
-    for key in positive:
+    return cfg
+
+
+_POSITIVE = (
+    "num-server-rounds",
+    "batch-size",
+    "eval-every",
+    "min-replies",
+    "min-train-nodes",
+    "min-available-nodes",
+    "classes-per-partition",
+    "local-epochs",
+    "local-steps",
+    "accumulate",
+    "anchor-every",
+)
+
+
+def _check_ranges(cfg: dict[str, Any]) -> None:
+    """Each number on its own: within its range."""
+    for key in _POSITIVE:
         if cfg[key] < 1:
             raise ValueError(f"run-config '{key}' must be >= 1, got {cfg[key]}")
     for key in ("beta1", "beta2", "momentum"):
@@ -191,10 +84,6 @@ def read_config(run_config: Mapping[str, Any] | None) -> dict[str, Any]:
         )
     if cfg["scale-block"] < 0:
         raise ValueError(f"run-config 'scale-block' must be >= 0 (0: one scale per tensor), got {cfg['scale-block']}")
-    if cfg["scale-block"] and cfg["upload"] != "ef-sign" and not cfg["broadcast-bits"]:
-        raise ValueError(
-            f"run-config 'scale-block' = {cfg['scale-block']} needs scales: upload = 'ef-sign' or 'broadcast-bits' >= 1"
-        )
     if cfg["momentum-sync-every"] < 0:
         raise ValueError(f"run-config 'momentum-sync-every' must be >= 0 (0: never), got {cfg['momentum-sync-every']}")
     for key in ("fail-fraction", "byzantine-fraction"):
@@ -209,10 +98,47 @@ def read_config(run_config: Mapping[str, Any] | None) -> dict[str, Any]:
             raise ValueError(f"run-config '{key}' must be finite and > 0, got {cfg[key]}")
     if cfg["local-batches"] < 0:
         raise ValueError(f"run-config 'local-batches' must be >= 0 (0: whole epochs), got {cfg['local-batches']}")
-    if cfg["local-batches"] and cfg["strategy"] not in FEDAVG_FAMILY:
-        raise ValueError(f"run-config 'local-batches' applies to {FEDAVG_FAMILY} only, not to {cfg['strategy']!r}")
     if cfg["checkpoint-every"] < 0:
         raise ValueError(f"run-config 'checkpoint-every' must be >= 0 (0: never), got {cfg['checkpoint-every']}")
+    if not 0.0 <= cfg["server-momentum"] < 1.0:
+        raise ValueError(f"run-config 'server-momentum' must be in [0, 1), got {cfg['server-momentum']}")
+
+
+def _check_algorithm(cfg: dict[str, Any]) -> None:
+    """The algorithm's keys together: D-Lion's options only on D-Lion, and the combinations that work."""
+    if cfg["strategy"] not in DLION_STRATEGIES:
+        changed = sorted(k for k in DLION_ONLY if cfg[k] != DEFAULTS[k])
+        if changed:
+            raise ValueError(f"run-config {changed} apply to {DLION_STRATEGIES} only, not to {cfg['strategy']!r}")
+    if cfg["scale-block"] and cfg["upload"] != "ef-sign" and not cfg["broadcast-bits"]:
+        raise ValueError(
+            f"run-config 'scale-block' = {cfg['scale-block']} needs scales: upload = 'ef-sign' or 'broadcast-bits' >= 1"
+        )
+    if cfg["downlink"] == "anchored" and (cfg["strategy"] == "dlion-mean" or cfg["broadcast-bits"]):
+        raise ValueError(
+            "run-config downlink='anchored' needs integer Δs: a vote ('dlion-vote', 'signsgd-vote') with "
+            f"'broadcast-bits' = 0, got strategy={cfg['strategy']!r}, broadcast-bits={cfg['broadcast-bits']}; "
+            "use 'auto' or 'chain'"
+        )
+    if cfg["anchor-every"] * cfg["local-steps"] > 1 << 20:
+        raise ValueError(
+            f"run-config 'anchor-every' × 'local-steps' must be <= 2**20 (the counts' range), got "
+            f"{cfg['anchor-every']} × {cfg['local-steps']}"
+        )
+    if cfg["server-momentum"] and not cfg["broadcast-bits"]:
+        raise ValueError(
+            "run-config 'server-momentum' needs 'broadcast-bits' >= 1: the momentum step is quantized for the "
+            f"broadcast, got server-momentum={cfg['server-momentum']}, broadcast-bits=0"
+        )
+    if cfg["upload"] == "ef-sign" and cfg["strategy"] == "dlion-mean" and cfg["broadcast-bits"] == 0:
+        raise ValueError(
+            "run-config upload='ef-sign' with the mean needs 'broadcast-bits' >= 1: "
+            "a mean of scaled signs has no exact low-bit form"
+        )
+
+
+def _check_faults(cfg: dict[str, Any]) -> None:
+    """The fault study: which strategies each attack applies to, and what it needs."""
     if cfg["byzantine-fraction"] and cfg["strategy"] not in (*DLION_STRATEGIES, *FEDAVG_FAMILY):
         raise ValueError(
             f"run-config 'byzantine-fraction' applies to {(*DLION_STRATEGIES, *FEDAVG_FAMILY)}, "
@@ -227,45 +153,18 @@ def read_config(run_config: Mapping[str, Any] | None) -> dict[str, Any]:
         raise ValueError("run-config byzantine-mode 'scale' lies about ef-sign scales: it needs upload = 'ef-sign'")
     if cfg["byzantine-mode"] == "momentum" and not cfg["momentum-sync-every"]:
         raise ValueError("run-config byzantine-mode 'momentum' poisons the synced momentum: set momentum-sync-every")
+
+
+def _check_persistence(cfg: dict[str, Any]) -> None:
+    """Checkpoints need one of our strategies; state out of the context needs a folder."""
     if cfg["strategy"] in FEDAVG_FAMILY and (cfg["checkpoint-every"] or cfg["resume"]):
         raise ValueError(
             f"run-config 'checkpoint-every' / 'resume' need one of our strategies, not Flower's {cfg['strategy']!r}"
         )
-    if cfg["strategy"] not in DLION_STRATEGIES:
-        changed = sorted(k for k in DLION_ONLY if cfg[k] != DEFAULTS[k])
-        if changed:
-            raise ValueError(f"run-config {changed} apply to {DLION_STRATEGIES} only, not to {cfg['strategy']!r}")
     if not cfg["state-in-context"] and not cfg["client-state-dir"]:
         raise ValueError(
             "run-config 'state-in-context' = false keeps the clients' state in files only: set 'client-state-dir'"
         )
-    if cfg["downlink"] == "anchored" and (cfg["strategy"] == "dlion-mean" or cfg["broadcast-bits"]):
-        raise ValueError(
-            "run-config downlink='anchored' needs integer Δs: a vote ('dlion-vote', 'signsgd-vote') with "
-            f"'broadcast-bits' = 0, got strategy={cfg['strategy']!r}, broadcast-bits={cfg['broadcast-bits']}; "
-            "use 'auto' or 'chain'"
-        )
-    if cfg["anchor-every"] * cfg["local-steps"] > 1 << 20:
-        raise ValueError(
-            f"run-config 'anchor-every' × 'local-steps' must be <= 2**20 (the counts' range), got "
-            f"{cfg['anchor-every']} × {cfg['local-steps']}"
-        )
-    if not 0.0 <= cfg["server-momentum"] < 1.0:
-        raise ValueError(f"run-config 'server-momentum' must be in [0, 1), got {cfg['server-momentum']}")
-    if cfg["server-momentum"] and not cfg["broadcast-bits"]:
-        raise ValueError(
-            "run-config 'server-momentum' needs 'broadcast-bits' >= 1: the momentum step is quantized for the "
-            f"broadcast, got server-momentum={cfg['server-momentum']}, broadcast-bits=0"
-        )
-    _check_lr_schedule(cfg)
-    _check_local_optimizer(cfg)
-    _check_baseline_keys(cfg)
-    if cfg["upload"] == "ef-sign" and cfg["strategy"] == "dlion-mean" and cfg["broadcast-bits"] == 0:
-        raise ValueError(
-            "run-config upload='ef-sign' with the mean needs 'broadcast-bits' >= 1: "
-            "a mean of scaled signs has no exact low-bit form"
-        )
-    return cfg
 
 
 def _check_lr_schedule(cfg: dict[str, Any]) -> None:
@@ -318,8 +217,10 @@ def _check_local_optimizer(cfg: dict[str, Any]) -> None:
         )
 
 
-def _check_baseline_keys(cfg: dict[str, Any]) -> None:
-    """``proximal-mu`` (FedProx) and ``server-lr`` / ``server-tau`` (FedAdam, FedYogi): range and owner."""
+def _check_baselines(cfg: dict[str, Any]) -> None:
+    """The FedAvg family's keys: ``local-batches``, ``proximal-mu``, ``server-lr`` and ``server-tau``."""
+    if cfg["local-batches"] and cfg["strategy"] not in FEDAVG_FAMILY:
+        raise ValueError(f"run-config 'local-batches' applies to {FEDAVG_FAMILY} only, not to {cfg['strategy']!r}")
     mu = cfg["proximal-mu"]
     if not (math.isfinite(mu) and mu > 0):
         raise ValueError(f"run-config 'proximal-mu' must be finite and > 0 (0 is FedAvg), got {mu}")

@@ -1,4 +1,4 @@
-"""Fused GPU kernels: the client's step, the sign pack, applying Δ, the vote count (Triton; for :mod:`.codec`).
+"""GPU kernels (Triton): the client's step, the sign pack, applying Δ, the vote count (for :mod:`.gpu`).
 
 The pack reads the Lion direction once and writes its packed signs: each program
 loads ``8·BYTES`` consecutive float32 values as a ``(BYTES, 8)`` tile, compares them with
@@ -14,12 +14,11 @@ that nothing waits for and nothing reads back. The client's whole step
 raised to the call's own epoch, so no launch zeroes it first (:class:`Flag`).
 
 The vote count reads the n payloads through a table of their addresses (no stacking
-copy). For the vote's masks and the mean's planes every 32-bit lane of a program is a
-bit-sliced counter of 32 values (up to 12 bit planes in registers, n ≤ 4,095): adding a
-payload costs two bitwise operations per plane for 32 values, and the planes are the
-mean's broadcast as they stand; the masks "count > n/2" and "count = n/2" are compared
-plane by plane from the top. The int32 counts (and more than 4,095 payloads) use
-per-value counters in registers instead. Nothing is ever unpacked in memory.
+copy). For the count planes (the vote and the mean both come from them) every 32-bit lane
+of a program is a bit-sliced counter of 32 values (up to 12 bit planes in registers,
+n ≤ 4,095): adding a payload costs two bitwise operations per plane for 32 values, and the
+planes are the mean's broadcast as they stand. The int32 counts (and more than 4,095
+payloads) use per-value counters in registers instead. Nothing is ever unpacked in memory.
 
 Every launch passes ``enable_fp_fusion=False``: the one multiply-add that must round as
 torch's does is written as ``tl.fma``, and no other is fused, so the bits do not depend on
@@ -278,23 +277,10 @@ def apply_levels(x: torch.Tensor, levels: torch.Tensor, steps: torch.Tensor, dec
 
 
 COUNT_BYTES = 256  # payload bytes per program of the vote count: 2,048 counters in registers
-_COUNTS, _MASKS, _PLANES = 0, 1, 2  # what the count kernel writes
 
 
 @triton.jit
-def _count_votes(
-    addr_ptr,
-    n,
-    nbytes,
-    d,
-    threshold,
-    ties,
-    out_ptr,
-    tie_ptr,
-    WHAT: tl.constexpr,
-    PLANES: tl.constexpr,
-    BYTES: tl.constexpr,
-):
+def _count_votes(addr_ptr, n, nbytes, d, out_ptr, COUNTS: tl.constexpr, PLANES: tl.constexpr, BYTES: tl.constexpr):
     byte = tl.program_id(0).to(tl.int64) * BYTES + tl.arange(0, BYTES)  # this program's bytes of every payload
     inside = byte < nbytes
     shift = 7 - tl.arange(0, 8)  # value 8·byte + j is bit 7 − j (MSB first)
@@ -303,16 +289,11 @@ def _count_votes(
         payload = tl.load(addr_ptr + i).to(tl.pointer_type(tl.uint8))  # payload i's address
         x = tl.load(payload + byte, mask=inside, other=0).to(tl.int32)  # one read of each payload byte
         count += (x[:, None] >> shift[None, :]) & 1  # unpacked in registers, never in memory
-    weight = (1 << shift).to(tl.int32)  # 128, 64, …, 1: 8 bits → 1 byte
-    if WHAT == 0:  # the counts
+    if COUNTS:  # the counts
         value = byte[:, None] * 8 + tl.arange(0, 8)[None, :]
         tl.store(out_ptr + value, count, mask=value < d)
-    elif WHAT == 1:  # the vote's masks: count > n/2 and count = n/2 (n even)
-        gt = tl.sum((count > threshold).to(tl.int32) * weight[None, :], axis=1)
-        tie = tl.sum(((count == threshold) & (ties != 0)).to(tl.int32) * weight[None, :], axis=1)
-        tl.store(out_ptr + byte, gt.to(tl.uint8), mask=inside)
-        tl.store(tie_ptr + byte, tie.to(tl.uint8), mask=inside)
     else:  # the bit planes of the counts, packed like the payloads
+        weight = (1 << shift).to(tl.int32)  # 128, 64, …, 1: 8 bits → 1 byte
         for j in tl.static_range(PLANES):
             plane = tl.sum(((count >> j) & 1) * weight[None, :], axis=1)
             tl.store(out_ptr + j * nbytes + byte, plane.to(tl.uint8), mask=inside)
@@ -322,13 +303,6 @@ def _count_votes(
 def _add(p, c):
     """One bit plane of a carry-save counter: ``(p ^ c, p & c)`` — the plane's new bits and the carry."""
     return p ^ c, p & c
-
-
-@triton.jit
-def _compare(p, j: tl.constexpr, threshold, gt, eq):
-    """Bit j of a bit-sliced ``count ? threshold``, taken from the top bit down: update ``gt`` and ``eq``."""
-    t = -((threshold >> j) & 1)  # bit j of the threshold in every lane: 0 or all ones
-    return gt | (eq & p & ~t), eq & ~(p ^ t)
 
 
 @triton.jit
@@ -342,18 +316,7 @@ SLICED_WORDS = 512  # 32-bit lanes per program of the bit-sliced count: 2 kB of 
 
 
 @triton.jit
-def _count_sliced(
-    addr_ptr,
-    n,
-    nbytes,
-    threshold,
-    ties,
-    out_ptr,
-    tie_ptr,
-    WHAT: tl.constexpr,
-    PLANES: tl.constexpr,
-    WORDS: tl.constexpr,
-):
+def _count_sliced(addr_ptr, n, nbytes, out_ptr, PLANES: tl.constexpr, WORDS: tl.constexpr):
     # this program's bytes of every payload, as (WORDS, 4): 32 values per lane, every lane a carry-save counter
     byte = tl.program_id(0).to(tl.int64) * (4 * WORDS) + tl.arange(0, WORDS)[:, None] * 4 + tl.arange(0, 4)[None, :]
     inside = byte < nbytes
@@ -400,82 +363,50 @@ def _count_sliced(
             p10, c = _add(p10, c)
         if PLANES > 11:
             p11, c = _add(p11, c)
-    if WHAT == 1:  # the vote's masks: count > n/2 and count = n/2 (n even), compared from the top plane down
-        gt, eq = zero, zero - 1
-        if PLANES > 11:
-            gt, eq = _compare(p11, 11, threshold, gt, eq)
-        if PLANES > 10:
-            gt, eq = _compare(p10, 10, threshold, gt, eq)
-        if PLANES > 9:
-            gt, eq = _compare(p9, 9, threshold, gt, eq)
-        if PLANES > 8:
-            gt, eq = _compare(p8, 8, threshold, gt, eq)
-        if PLANES > 7:
-            gt, eq = _compare(p7, 7, threshold, gt, eq)
-        if PLANES > 6:
-            gt, eq = _compare(p6, 6, threshold, gt, eq)
-        if PLANES > 5:
-            gt, eq = _compare(p5, 5, threshold, gt, eq)
-        if PLANES > 4:
-            gt, eq = _compare(p4, 4, threshold, gt, eq)
-        if PLANES > 3:
-            gt, eq = _compare(p3, 3, threshold, gt, eq)
-        if PLANES > 2:
-            gt, eq = _compare(p2, 2, threshold, gt, eq)
-        if PLANES > 1:
-            gt, eq = _compare(p1, 1, threshold, gt, eq)
-        gt, eq = _compare(p0, 0, threshold, gt, eq)
-        _put_words(out_ptr, gt, byte, inside, shift)
-        _put_words(tie_ptr, eq & -ties, byte, inside, shift)
-    else:  # the bit planes of the counts: already packed like the payloads
-        _put_words(out_ptr, p0, byte, inside, shift)
-        if PLANES > 1:
-            _put_words(out_ptr + nbytes, p1, byte, inside, shift)
-        if PLANES > 2:
-            _put_words(out_ptr + 2 * nbytes, p2, byte, inside, shift)
-        if PLANES > 3:
-            _put_words(out_ptr + 3 * nbytes, p3, byte, inside, shift)
-        if PLANES > 4:
-            _put_words(out_ptr + 4 * nbytes, p4, byte, inside, shift)
-        if PLANES > 5:
-            _put_words(out_ptr + 5 * nbytes, p5, byte, inside, shift)
-        if PLANES > 6:
-            _put_words(out_ptr + 6 * nbytes, p6, byte, inside, shift)
-        if PLANES > 7:
-            _put_words(out_ptr + 7 * nbytes, p7, byte, inside, shift)
-        if PLANES > 8:
-            _put_words(out_ptr + 8 * nbytes, p8, byte, inside, shift)
-        if PLANES > 9:
-            _put_words(out_ptr + 9 * nbytes, p9, byte, inside, shift)
-        if PLANES > 10:
-            _put_words(out_ptr + 10 * nbytes, p10, byte, inside, shift)
-        if PLANES > 11:
-            _put_words(out_ptr + 11 * nbytes, p11, byte, inside, shift)
+    # the bit planes of the counts: already packed like the payloads
+    _put_words(out_ptr, p0, byte, inside, shift)
+    if PLANES > 1:
+        _put_words(out_ptr + nbytes, p1, byte, inside, shift)
+    if PLANES > 2:
+        _put_words(out_ptr + 2 * nbytes, p2, byte, inside, shift)
+    if PLANES > 3:
+        _put_words(out_ptr + 3 * nbytes, p3, byte, inside, shift)
+    if PLANES > 4:
+        _put_words(out_ptr + 4 * nbytes, p4, byte, inside, shift)
+    if PLANES > 5:
+        _put_words(out_ptr + 5 * nbytes, p5, byte, inside, shift)
+    if PLANES > 6:
+        _put_words(out_ptr + 6 * nbytes, p6, byte, inside, shift)
+    if PLANES > 7:
+        _put_words(out_ptr + 7 * nbytes, p7, byte, inside, shift)
+    if PLANES > 8:
+        _put_words(out_ptr + 8 * nbytes, p8, byte, inside, shift)
+    if PLANES > 9:
+        _put_words(out_ptr + 9 * nbytes, p9, byte, inside, shift)
+    if PLANES > 10:
+        _put_words(out_ptr + 10 * nbytes, p10, byte, inside, shift)
+    if PLANES > 11:
+        _put_words(out_ptr + 11 * nbytes, p11, byte, inside, shift)
 
 
-def _launch_count(payloads: Sequence[torch.Tensor], d: int, what: int, *outs: torch.Tensor) -> None:
+def _launch_count(payloads: Sequence[torch.Tensor], d: int, out: torch.Tensor, *, counts: bool) -> None:
     nbytes = (d + 7) // 8
     for p in payloads:
         if p.dtype != torch.uint8 or p.dim() != 1 or not p.is_contiguous() or p.numel() != nbytes:
             raise ValueError(f"expected {nbytes} packed bytes (contiguous 1-D uint8), got {p.dtype} {tuple(p.shape)}")
-        if p.device != outs[0].device:
-            raise ValueError(f"payloads on {p.device} and {outs[0].device}: put them on one device")
+        if p.device != out.device:
+            raise ValueError(f"payloads on {p.device} and {out.device}: put them on one device")
     n = len(payloads)
-    addresses = torch.tensor([p.data_ptr() for p in payloads], dtype=torch.int64).to(outs[0].device)
-    tie = outs[1] if len(outs) > 1 else outs[0]
+    addresses = torch.tensor([p.data_ptr() for p in payloads], dtype=torch.int64).to(out.device)
     planes = max(1, n.bit_length())
-    if what != _COUNTS and planes <= MAX_SLICED_PLANES:  # masks and planes straight from bit-sliced counters
+    if not counts and planes <= MAX_SLICED_PLANES:  # the planes straight from bit-sliced counters
         grid = (-(-nbytes // (4 * SLICED_WORDS)),)
-        _count_sliced[grid](
-            addresses, n, nbytes, n // 2, int(n % 2 == 0), outs[0], tie, WHAT=what, PLANES=planes, WORDS=SLICED_WORDS,
-            enable_fp_fusion=False,
-        )  # fmt: skip
+        _count_sliced[grid](addresses, n, nbytes, out, PLANES=planes, WORDS=SLICED_WORDS, enable_fp_fusion=False)
         return
     grid = (-(-nbytes // COUNT_BYTES),)
     _count_votes[grid](
-        addresses, n, nbytes, d, n // 2, int(n % 2 == 0), outs[0], tie,
-        WHAT=what, PLANES=planes, BYTES=COUNT_BYTES, enable_fp_fusion=False,
-    )  # fmt: skip
+        addresses, n, nbytes, d, out, COUNTS=counts, PLANES=planes, BYTES=COUNT_BYTES, enable_fp_fusion=False
+    )
 
 
 def count_ones(payloads: Sequence[torch.Tensor], d: int) -> torch.Tensor:
@@ -485,22 +416,13 @@ def count_ones(payloads: Sequence[torch.Tensor], d: int) -> torch.Tensor:
     extra memory is the output alone — never n × d.
     """
     out = torch.empty(d, dtype=torch.int32, device=payloads[0].device)
-    _launch_count(payloads, d, _COUNTS, out)
+    _launch_count(payloads, d, out, counts=True)
     return out
-
-
-def vote_masks(payloads: Sequence[torch.Tensor], d: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed masks (gt, tie) of count > n/2 and count = n/2 (ties only for even n)."""
-    nbytes = (d + 7) // 8
-    gt = torch.empty(nbytes, dtype=torch.uint8, device=payloads[0].device)
-    tie = torch.empty_like(gt)
-    _launch_count(payloads, d, _MASKS, gt, tie)
-    return gt, tie
 
 
 def count_planes(payloads: Sequence[torch.Tensor], d: int) -> torch.Tensor:
     """The counts' B = ⌊log₂ n⌋ + 1 bit planes, packed like the payloads: ``(B, ⌈d/8⌉)`` uint8."""
     nbytes = (d + 7) // 8
     out = torch.empty(max(1, len(payloads).bit_length()), nbytes, dtype=torch.uint8, device=payloads[0].device)
-    _launch_count(payloads, d, _PLANES, out)
+    _launch_count(payloads, d, out, counts=False)
     return out

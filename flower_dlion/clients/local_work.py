@@ -1,0 +1,182 @@
+"""What a Distributed Lion client computes in a round: its gradients, its local Lion steps, its upload.
+
+:class:`LocalWork` draws the round's batches and returns mean gradients; :func:`upload_arrays`
+runs the K local steps (``lion.local_steps_``, or ``lion.local_sgd`` then one Lion step for the
+FedSMU-style client; with K = 1 and the sign upload, the step and its 1-bit pack are one pass,
+``codec.pack_local_step_``) and encodes U as the round's upload kind (:mod:`flower_dlion.uploads`).
+:func:`age_momentum` and :func:`adopt_momentum` handle the momentum of a node that missed rounds
+and the server's synced momentum. The ClientApp's plumbing around them is :mod:`.dlion`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord
+
+from .. import codec, lion
+from ..params import Binding, LossFn
+from ..protocol import SIGN_STYPE, bits_array
+from ..uploads import UPLOADS, Shape
+from .replica import scale_sizes
+from .state import ClientStateError, ReplicaState
+
+__all__ = ["MOMENTUM_LIMIT", "PROXIMAL_LIMIT", "LocalWork", "Tamper", "adopt_momentum", "age_momentum", "upload_arrays"]
+
+PROXIMAL_LIMIT = 1e6  # a server asking for a larger local proximal weight is refused
+MOMENTUM_LIMIT = 1e6  # a synced momentum beyond this is no average of gradients a float32 model trains with
+
+
+class Tamper:
+    """For fault studies only: what an attacking node changes in what it sends. This one changes nothing.
+
+    :meth:`upload` sees U = Σₖ δₖ before it is encoded (the fused path is then not taken);
+    :meth:`arrays` sees the reply's encoded arrays (``signs``/``levels``, ``scales``,
+    ``momentum``, ``buffers``) before they are sent.
+    """
+
+    def upload(self, u: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """What the node uploads instead of U (the round's seeded generator at hand)."""
+        return u
+
+    def arrays(self, arrays: dict[str, Array]) -> dict[str, Array]:
+        """The reply's arrays as sent."""
+        return arrays
+
+
+class LocalWork:
+    """The gradients of one round: ``accumulate`` batches per local step, from a fresh iterator."""
+
+    def __init__(self, bound: Binding, loss_fn: LossFn, batches: Iterable[Any], *, accumulate: int) -> None:
+        self.bound, self.loss_fn, self.batches, self.accumulate = bound, loss_fn, batches, accumulate
+        self._it: Iterator[Any] | None = None
+        self.losses: list[float] = []
+        self.num_examples = 0
+
+    def _next_batch(self) -> Any:
+        for fresh in (False, True):
+            if self._it is None or fresh:
+                self._it = iter(self.batches)
+            try:
+                return next(self._it)
+            except StopIteration:
+                continue
+        raise ValueError("batches is empty: the round needs at least one batch")
+
+    def gradient(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        """Mean gradient at x over the ``accumulate`` batches of local step ``step``."""
+        total = None
+        for _ in range(self.accumulate):
+            batch = self._next_batch()
+            loss, grad = self.bound.gradient(x, self.loss_fn, batch)
+            if not math.isfinite(float(loss)):
+                raise ValueError(f"the loss is {float(loss)} at local step {step}: nothing uploaded, the state is kept")
+            self.losses.append(float(loss))
+            self.num_examples += _batch_size(batch)
+            total = grad if total is None else total.add_(grad)
+        assert total is not None
+        return total if self.accumulate == 1 else total.div_(self.accumulate)
+
+
+def upload_arrays(
+    state: ReplicaState,
+    round_config: ConfigRecord,
+    sizes: list[int],
+    work: LocalWork,
+    gen: torch.Generator,
+    tamper: Tamper | None,
+    flips: list[int],
+    node_id: int,
+) -> dict[str, Array]:
+    """Steps 2–3: the local Lion steps and the reply's arrays for U (m and the error state updated).
+
+    ``flips`` gets the number of signs sent as coin flips (exact zeros; the sign upload only).
+    """
+    d = state.x.numel()
+    steps, upload = int(round_config.get("local-steps", 1)), str(round_config.get("upload", "sign"))
+    beta1, beta2 = float(round_config["beta1"]), float(round_config["beta2"])
+    if upload not in UPLOADS:  # before the local steps: the state stays as it was
+        raise ClientStateError(f"unknown upload {upload!r}")
+    sizes = scale_sizes(sizes, round_config, node_id)
+    gradient = work.gradient
+    mu = float(round_config.get("local-proximal-mu", 0.0))
+    if mu:  # drift control: each local gradient gains μ·(x_local − x), x the round's replica
+        if not (math.isfinite(mu) and 0 < mu <= PROXIMAL_LIMIT):
+            raise ClientStateError(f"local-proximal-mu {mu} outside (0, {PROXIMAL_LIMIT:g}]")
+        x0 = state.x.clone()
+        gradient = lambda x, k: work.gradient(x, k).add_(x - x0, alpha=mu)  # noqa: E731
+    optimizer = str(round_config.get("local-optimizer", "lion"))
+    if optimizer == "sgd":  # FedSMU's client: one Lion step on g = x − x_K of K local SGD steps
+        g = lion.local_sgd(state.x, gradient, steps=steps, lr=float(round_config["local-lr"]))
+        steps, gradient = 1, lambda x, k: g
+    elif optimizer != "lion":
+        raise ClientStateError(f"unknown local optimizer {optimizer!r}")
+    if steps == 1 and upload == "sign" and tamper is None:  # one fused pass over m and g
+        packed = codec.pack_local_step_(state.m, gradient(state.x, 0), beta1, beta2, gen, flips=flips)
+        return {"signs": bits_array(packed, d, SIGN_STYPE)}
+    x_local = state.x if steps == 1 else state.x.clone()  # K = 1 never moves x (see local_steps_)
+    u = lion.local_steps_(
+        x_local,
+        state.m,
+        gradient,
+        steps=steps,
+        lr=float(round_config.get("local-lr", 0.0)),
+        weight_decay=float(round_config.get("local-weight-decay", 0.0)),
+        beta1=beta1,
+        beta2=beta2,
+    )
+    if tamper is not None:
+        u = tamper.upload(u, gen)
+    arrays, state.error = UPLOADS[upload].encode(u, state.error, Shape(d, sizes, steps), gen, flips)
+    return arrays
+
+
+def age_momentum(state: ReplicaState, before: int | None, round_config: ConfigRecord, node_id: int) -> None:
+    """``stale-momentum``: after k missed rounds (versions beyond the one its upload made), m ← β₂ᵏ·m or 0."""
+    policy = str(round_config.get("stale-momentum", "keep"))
+    if policy not in ("keep", "decay", "reset"):
+        raise ClientStateError(f"node {node_id}: unknown stale-momentum {policy!r}")
+    missed = 0 if before is None else state.version - before - 1
+    if policy == "keep" or missed <= 0:
+        return
+    if policy == "decay":
+        state.m.mul_(float(round_config["beta2"]) ** missed)
+    else:
+        state.m.zero_()
+
+
+def adopt_momentum(state: ReplicaState, record: ArrayRecord, mask: torch.Tensor | None, node_id: int) -> None:
+    """Take the server's combination of the last sync round's momenta for the synced parameters.
+
+    Refused (ClientStateError, the state kept) unless it has the synced parameters' shape and
+    every value is finite and within ±:data:`MOMENTUM_LIMIT`.
+    """
+    assert mask is not None
+    m_avg = record["m"].numpy()
+    if m_avg.shape != (int(mask.sum()),) or m_avg.dtype != np.float32:
+        raise ClientStateError(
+            f"node {node_id}: momentum of {m_avg.dtype} {m_avg.shape}, expected float32 ({int(mask.sum())},)"
+        )
+    if not (np.isfinite(m_avg).all() and np.abs(m_avg).max(initial=0.0) <= MOMENTUM_LIMIT):
+        raise ClientStateError(
+            f"node {node_id}: the synced momentum has values outside ±{MOMENTUM_LIMIT:g} or non-finite ones: refused"
+        )
+    state.m[mask] = torch.from_numpy(m_avg.copy()).to(state.m.device)
+
+
+def _batch_size(batch: Any) -> int:
+    """Examples in a batch: the length of the first tensor in it (1 if it holds none)."""
+    stack = [batch]
+    while stack:
+        item = stack.pop(0)
+        if isinstance(item, torch.Tensor):
+            return int(item.shape[0]) if item.dim() else 1
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (tuple, list)):
+            stack.extend(item)
+    return 1

@@ -1,0 +1,287 @@
+"""What the server sends each round: every sampled node gets only what it lacks to reach x.
+
+A node's message holds the round's config (:meth:`DownlinkMessages._round_config`) and, by what
+the server knows of the node's replica (``ServerState.version_of``), one of:
+
+- nothing more (``kind = "none"``): its replica is at the current version;
+- the anchored downlink (:mod:`flower_dlion.downlink`, the default for a vote with exact
+  broadcast): the smallest of the entropy-coded counts since its version, x₀'s seed and the
+  counts since version 0, or the anchor xₐ and the counts since it (``_anchored_content``);
+- the chain: the packed Δs it missed, one by one (``_chain_since``, kept by ``_remember``);
+- the full model (float32), or x₀'s seed and the Δs since: a new node, a lost replica, a
+  checksum mismatch.
+
+The client's side of the same message is :mod:`flower_dlion.clients.replica`.
+"""
+
+from __future__ import annotations
+
+from logging import WARNING
+
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+from flwr.supercore import log
+
+from ..downlink import Segment
+from ..params import layout_fingerprint
+from ..protocol import (
+    BROADCAST,
+    CODED_STYPE,
+    CONFIG,
+    LEVELS_STYPE,
+    MOMENTUM,
+    REST,
+    USER_CONFIG,
+    message_bytes,
+    to_array,
+)
+from .common import ServerModelStrategy
+from .server_state import Broadcast, Round, ServerState
+
+__all__ = ["DownlinkMessages"]
+
+Content = tuple[RecordDict, str, int]  # a message's content, its kind and its payload length in bytes
+
+
+class DownlinkMessages(ServerModelStrategy):
+    """The downlink half of :class:`~flower_dlion.strategies.dlion.DistributedLion` (a mixin).
+
+    Builds each sampled node's train message and keeps the encoded Δs of the chain downlink.
+    """
+
+    # Set by DistributedLion.__init__ (its docstring says what each one is).
+    state: ServerState
+    anchored: bool
+    anchor_every: int
+    init_seed: int | None
+    max_history_bytes: int | None
+    beta1: float
+    beta2: float
+    weight_decay: float
+    local_steps: int
+    local_optimizer: str
+    local_lr: float | None
+    local_proximal_mu: float
+    stale_momentum: str
+    accumulate: int
+    upload: str
+    scale_block: int
+    momentum_sync_every: int
+    momentum_sync_layers: tuple[str, ...]
+    state_key: str
+    checkpoint_round: int
+    _state_resets: int
+    _scale_sizes: list[int]  # a property of DistributedLion
+
+    def _message_for(self, node_id: int, server_round: int, rnd: Round, config: ConfigRecord) -> Message:
+        """The train message for one node; adds it to ``rnd`` (kind sent, bytes, as fp32 would have been)."""
+        content, kind, payload_len = self._content_for(node_id, server_round, rnd)
+        if len(config):  # the ServerApp's train_config, where FedAvg puts it
+            content[USER_CONFIG] = config
+        if self.state.synced_momentum is not None:  # the median of the last sync round's momenta
+            content[MOMENTUM] = ArrayRecord({"m": Array(self.state.synced_momentum.numpy())})
+        msg = Message(content=content, dst_node_id=node_id, message_type=MessageType.TRAIN, group_id=str(server_round))
+        size = message_bytes(msg)
+        rnd.sent[node_id] = kind
+        rnd.bytes_down += size
+        needs_model = kind != "none" or node_id in rnd.seeded
+        rnd.bytes_down_fp32 += size - payload_len + (4 * self.num_parameters if needs_model else 0)
+        return msg
+
+    def _round_config(self, server_round: int, rnd: Round) -> ConfigRecord:
+        """The keys every client gets this round (non-default options only, to save bytes)."""
+        round_config = ConfigRecord(
+            {"server-round": server_round, "version": self.state.version, "seed": self.sample_seed}
+        )
+        round_config.update({"beta1": self.beta1, "beta2": self.beta2})
+        if self.local_optimizer == "sgd":
+            round_config.update(
+                {"local-steps": self.local_steps, "local-optimizer": "sgd", "local-lr": float(self.local_lr or 0.0)}
+            )
+        elif self.local_steps > 1:
+            round_config.update(
+                {"local-steps": self.local_steps, "local-lr": rnd.lr, "local-weight-decay": self.weight_decay}
+            )
+        if self.local_proximal_mu:
+            round_config["local-proximal-mu"] = self.local_proximal_mu
+        if self.stale_momentum != "keep":
+            round_config["stale-momentum"] = self.stale_momentum
+        if self.accumulate > 1:
+            round_config["accumulate"] = self.accumulate
+        if self.upload != "sign":
+            round_config["upload"] = self.upload
+        if self.scale_block:
+            round_config["scale-block"] = self.scale_block
+        if rnd.momentum_sync:
+            round_config["momentum-sync"] = 1
+        if rnd.buffer_sync:
+            round_config["buffers"] = 1
+        if self.momentum_sync_every and self.momentum_sync_layers:
+            round_config["momentum-sync-layers"] = ",".join(self.momentum_sync_layers)
+        if self.state_key:
+            round_config.update(self._hello_config(server_round))
+            round_config["keep-round"] = self.checkpoint_round
+        return round_config
+
+    def _hello_config(self, server_round: int) -> ConfigRecord:
+        """With state files: the run's key and the round whose end state a node starts from."""
+        if not self.state_key:
+            return ConfigRecord()
+        return ConfigRecord({"state-key": self.state_key, "state-round": server_round - 1})
+
+    def _on_new_node(self, pid: int, node_id: int, version: int, previous: int | None) -> None:
+        """Keep the partition's version if the node can start from it; else it gets the full model."""
+        super()._on_new_node(pid, node_id, version, previous)
+        known = self.state.version_of.get(pid)
+        if known is None or known == version or (not self.anchored and known <= version <= self.state.version):
+            return  # a new partition (full model), or a node that holds its replica (Δs since `known`)
+        self.state.version_of.pop(pid)
+        self._state_resets += 1
+        log(
+            WARNING,
+            "partition %d (node %d) %s: it gets the full model%s",
+            pid,
+            node_id,
+            "has no state (a restarted SuperNode?)" if version < 0 else f"is at version {version}, not {known}",
+            " and starts a fresh momentum" if version < 0 else "",
+        )
+
+    def _content_for(self, node_id: int, server_round: int, rnd: Round) -> Content:
+        """The message content for one node, its kind, and its payload length in bytes."""
+        assert self.x is not None
+        round_config = self._round_config(server_round, rnd)
+        pid = self.partition_of(node_id)
+        have = self.state.version_of.get(pid)
+        if self.state.anchored is not None and have != self.state.version:
+            return self._anchored_content(node_id, pid, have, round_config, rnd)
+        if have is None and self.init_seed is not None and pid not in self.state.seed_failed:
+            if self.state.version == 0 or self._chain_since(0) is not None:  # x₀ from the seed, then the Δs
+                have = 0
+                rnd.seeded.add(node_id)
+                round_config.update(self._seed_config())
+        chain = self._chain_since(have) if have is not None else None
+        if have == self.state.version:
+            round_config.update({"kind": "none", "base-version": have})
+            return RecordDict({CONFIG: round_config}), "none", 0
+        if chain is not None:
+            assert have is not None
+            return self._chain_content(node_id, have, chain, round_config, rnd)
+        round_config.update({"kind": "full", "base-version": -1, "layout": layout_fingerprint(self._layout)})
+        content = RecordDict({CONFIG: round_config, BROADCAST: ArrayRecord({"payload": to_array(self.x.numpy())})})
+        self._add_rest(content)
+        return content, "full", 4 * self.num_parameters
+
+    def _seed_config(self) -> dict[str, int | str]:
+        """The config keys that tell a node to build x₀ from the seed (and check it)."""
+        assert self.init_seed is not None
+        return {
+            "init-seed": self.init_seed,
+            "init-checksum": self.state.x0_checksum,
+            "layout": layout_fingerprint(self._layout),
+        }
+
+    def _add_rest(self, content: RecordDict) -> None:
+        """Add the frozen parameters and buffers to a message that carries the full model."""
+        if self._rest:
+            content[REST] = ArrayRecord({name: to_array(a) for name, a in self._rest.items()})
+
+    def _chain_content(
+        self, node_id: int, have: int, chain: list[Broadcast], round_config: ConfigRecord, rnd: Round
+    ) -> Content:
+        """The chain downlink's message: the packed Δs since version ``have``, with their rates and scales."""
+        rnd.chain_lengths[node_id] = len(chain)
+        payload = b"".join(b.payload for b in chain)
+        round_config.update(
+            {
+                "kind": "deltas",
+                "base-version": have,
+                "num-levels": [b.num_levels for b in chain],
+                "lr": [b.lr for b in chain],
+                "weight-decay": [b.weight_decay for b in chain],
+            }
+        )
+        if any(b.scales is not None for b in chain):
+            ones = (1.0,) * len(self._scale_sizes)
+            round_config["scales"] = [v for b in chain for v in (b.scales if b.scales is not None else ones)]
+        array = Array(dtype="level", shape=(len(chain) * self.num_parameters,), stype=LEVELS_STYPE, data=payload)
+        return RecordDict({CONFIG: round_config, BROADCAST: ArrayRecord({"payload": array})}), "deltas", len(payload)
+
+    def _anchored_content(
+        self, node_id: int, pid: int, have: int | None, round_config: ConfigRecord, rnd: Round
+    ) -> Content:
+        """The anchored downlink's message for one node: the smallest that brings it to x.
+
+        The counts since its version, x₀'s seed and the counts since 0, or the anchor and the
+        counts since it (see :mod:`flower_dlion.downlink`).
+        """
+        history = self.state.anchored
+        assert history is not None
+        size, kind, base, segments = min(self._anchored_options(pid, have), key=lambda o: o[0])
+        round_config.update({"kind": "full" if kind == "full" else "counts", "base-version": base})
+        round_config["anchor-every"] = self.anchor_every
+        records: dict[str, Array] = {}
+        if kind == "seed":
+            rnd.seeded.add(node_id)
+            round_config.update(self._seed_config())
+        if kind == "full":  # base is the anchor's version
+            round_config.update({"anchor-version": base, "layout": layout_fingerprint(self._layout)})
+            records["payload"] = to_array(history.anchor.numpy())
+        if segments:
+            if kind != "full":
+                rnd.chain_lengths[node_id] = self.state.version - base
+            round_config.update(
+                {
+                    "segment-end": [s.end for s in segments],
+                    "segment-decay": [s.decay for s in segments],
+                    "segment-step": [s.step for s in segments],
+                    "segment-refresh": [int(s.refresh) for s in segments],
+                    "segment-context": [int(s.context) for s in segments],
+                    "segment-bytes": [len(s.payload) for s in segments],
+                }
+            )
+            data = b"".join(s.payload for s in segments)
+            records["counts"] = Array(dtype="coded", shape=(len(data),), stype=CODED_STYPE, data=data)
+        content = RecordDict({CONFIG: round_config})
+        if records:
+            content[BROADCAST] = ArrayRecord(records)
+        if kind == "full":
+            self._add_rest(content)
+        return content, "full" if kind == "full" else "counts", size
+
+    def _anchored_options(self, pid: int, have: int | None) -> list[tuple[int, str, int, list[Segment]]]:
+        """What could bring a node at version ``have`` to x: (bytes, kind, base version, segments) each.
+
+        The counts since ``have`` (if still kept), x₀'s seed and the counts since 0 (with
+        ``init_seed``), and always the anchor (float32) and the counts since it.
+        """
+        history = self.state.anchored
+        assert history is not None and self.x is not None
+        version, d = self.state.version, self.num_parameters
+        options: list[tuple[int, str, int, list[Segment]]] = []
+        if have is not None and (segments := history.segments(have, self.state.context_of.get(pid) == have)):
+            options.append((sum(len(s.payload) for s in segments), "counts", have, segments))
+        if self.init_seed is not None and pid not in self.state.seed_failed:  # x₀ from the seed, also for a
+            segments = history.segments(0) if version else []  # known node whose version is no longer served
+            if segments is not None:
+                options.append((sum(len(s.payload) for s in segments), "seed", 0, segments))
+        start = history.epoch.start
+        segments = history.segments(start) if version > start else []
+        assert segments is not None, "the counts since the anchor are always kept"
+        options.append((4 * d + sum(len(s.payload) for s in segments), "full", start, segments))
+        return options
+
+    def _chain_since(self, have: int) -> list[Broadcast] | None:
+        """The Δs from version ``have`` to now, if kept and smaller than the full model."""
+        needed = self.state.version - have
+        if needed <= 0 or needed > len(self.state.broadcasts):
+            return None
+        chain = list(self.state.broadcasts)[-needed:]
+        if chain[0].version != have + 1 or sum(len(b.payload) for b in chain) >= 4 * self.num_parameters:
+            return None
+        return chain
+
+    def _remember(self, broadcast: Broadcast) -> None:
+        """Keep encoded Δs for lagging clients, up to ``max_history_bytes``."""
+        self.state.broadcasts.append(broadcast)
+        limit = 4 * self.num_parameters if self.max_history_bytes is None else self.max_history_bytes
+        while self.state.broadcasts and sum(len(b.payload) for b in self.state.broadcasts) > limit:
+            self.state.broadcasts.popleft()
