@@ -110,9 +110,14 @@ def upload_arrays(
         x0 = state.x.clone()
         gradient = lambda x, k: work.gradient(x, k).add_(x - x0, alpha=mu)  # noqa: E731
     optimizer = str(round_config.get("local-optimizer", "lion"))
-    if optimizer == "sgd":  # FedSMU's client: one Lion step on g = x − x_K of K local SGD steps
+    if optimizer == "sgd":  # K local SGD steps: g = x − x_K
         g = lion.local_sgd(state.x, gradient, steps=steps, lr=float(round_config["local-lr"]))
-        steps, gradient = 1, lambda x, k: g
+        if upload == "ef-sign":  # g itself, a scaled sign with error feedback (FedAvg's update, compressed)
+            if tamper is not None:
+                g = tamper.upload(g, gen)
+            arrays, state.error = UPLOADS[upload].encode(g, state.error, Shape(d, sizes, 1), gen, flips)
+            return arrays
+        steps, gradient = 1, lambda x, k: g  # FedSMU's client: one Lion step on g
     elif optimizer != "lion":
         raise ClientStateError(f"unknown local optimizer {optimizer!r}")
     if steps == 1 and upload == "sign" and tamper is None:  # one fused pass over m and g

@@ -191,7 +191,8 @@ def _check_lr_schedule(cfg: dict[str, Any]) -> None:
 def _check_local_optimizer(cfg: dict[str, Any]) -> None:
     """The local work's keys: ``local-proximal-mu`` needs local steps; ``local-optimizer`` = "sgd".
 
-    The FedSMU-style client (``local-optimizer`` = "sgd") needs a ``local-lr`` > 0 and the sign upload.
+    The local SGD client (``local-optimizer`` = "sgd") needs a ``local-lr`` > 0 and the sign upload
+    (FedSMU's: one Lion step on the SGD delta) or ef-sign (the delta itself, compressed with error feedback).
     """
     mu = cfg["local-proximal-mu"]
     if not (math.isfinite(mu) and 0 <= mu <= 1e6):
@@ -210,10 +211,11 @@ def _check_local_optimizer(cfg: dict[str, Any]) -> None:
         return
     if lr <= 0:
         raise ValueError("run-config local-optimizer 'sgd' needs 'local-lr' > 0 (the local SGD learning rate), got 0.0")
-    if cfg["upload"] != "sign" or cfg["accumulate"] != 1:
+    if cfg["upload"] not in ("sign", "ef-sign") or cfg["accumulate"] != 1:
         raise ValueError(
-            "run-config local-optimizer 'sgd' uploads the 1-bit sign of one Lion step on the local SGD delta: "
-            f"it needs upload = 'sign' and accumulate = 1, got upload={cfg['upload']!r}, accumulate={cfg['accumulate']}"
+            "run-config local-optimizer 'sgd' uploads the 1-bit sign of one Lion step on the local SGD delta "
+            "(upload = 'sign') or the delta itself as a scaled sign with error feedback (upload = 'ef-sign'): "
+            f"it needs one of them and accumulate = 1, got upload={cfg['upload']!r}, accumulate={cfg['accumulate']}"
         )
 
 

@@ -66,7 +66,9 @@ GROUPS: dict[str, Group] = {
                 (
                     "D-Lion family: `lion`, the K local steps are Lion steps at `lr`; `sgd` (FedSMU-style), K plain "
                     "SGD steps at `local-lr`, then one Lion step on their model change g = x − x_K: δ = sign(β₁·m + "
-                    "(1−β₁)·g), m ← β₂·m + (1−β₂)·g, and the server counts one step (needs `upload` = `sign`)"
+                    "(1−β₁)·g), m ← β₂·m + (1−β₂)·g, and the server counts one step (`upload` = `sign`); with "
+                    "`upload` = `ef-sign` the client sends g itself as a scaled sign with error feedback (with `lr` "
+                    "= 1 and `weight-decay` = 0: FedAvg's update, compressed to 1 bit each way)"
                 ),
             ),
             "local-lr": Key(

@@ -122,7 +122,11 @@ class DistributedLion(DownlinkMessages, ReplyAggregation):
         SGD steps at ``local_lr`` give the client's model change g = x − x_K, and the client
         uploads the sign of one Lion step on it, δ = sign(β₁·m + (1−β₁)·g), m ← β₂·m + (1−β₂)·g
         (FedSMU's client, Lu et al., ICML 2025); the server then counts one step per round
-        (``x ← x − lr·(Δ + wd·x)``). Needs ``upload="sign"`` and ``accumulate=1``.
+        (``x ← x − lr·(Δ + wd·x)``). With ``upload="ef-sign"`` the client uploads g itself as a
+        scaled sign with error feedback instead (no Lion step, m unused): with ``lr=1`` and
+        ``weight_decay=0`` that is FedAvg's update at 1 bit per parameter each way (with
+        ``aggregation="mean"``, ``broadcast_bits=1``). Needs ``upload="sign"`` or ``"ef-sign"``
+        and ``accumulate=1``.
     local_lr : float | None (default: None)
         The local SGD learning rate of ``local_optimizer="sgd"`` (required there, refused with "lion").
     stale_momentum : {"keep", "decay", "reset"} (default: "keep")

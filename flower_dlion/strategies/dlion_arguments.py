@@ -90,10 +90,11 @@ def _check_local_optimizer(local_optimizer: str, local_lr: float | None, upload:
     if local_optimizer == "sgd":
         if local_lr is None or not (math.isfinite(local_lr) and local_lr > 0):
             raise ValueError(f"local_optimizer='sgd' needs local_lr finite and > 0, got {local_lr}")
-        if upload != "sign" or accumulate != 1:
+        if upload not in ("sign", "ef-sign") or accumulate != 1:
             raise ValueError(
-                "local_optimizer='sgd' uploads the sign of one Lion step on the local SGD delta: it needs "
-                f"upload='sign' and accumulate=1, got upload={upload!r}, accumulate={accumulate}"
+                "local_optimizer='sgd' uploads the sign of one Lion step on the local SGD delta (upload='sign') "
+                "or the delta itself as a scaled sign with error feedback (upload='ef-sign'): it needs one of "
+                f"them and accumulate=1, got upload={upload!r}, accumulate={accumulate}"
             )
 
 
