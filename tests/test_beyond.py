@@ -267,7 +267,9 @@ def test_momentum_sync_round_takes_the_median_of_the_momenta_and_sends_it_next_r
 
 
 @pytest.mark.parametrize(("downlink", "kind"), [("chain", "deltas"), ("anchored", "counts")])
-def test_init_seed_sends_the_seed_instead_of_the_model_and_falls_back_on_mismatch(downlink: str, kind: str) -> None:
+def test_init_seed_sends_the_seed_instead_of_the_model_and_falls_back_on_mismatch(
+    downlink: str, kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
     # Prepare: X0 plays x₀ "of seed 5"
     full = DistributedLion(lr=0.1, downlink=downlink)
     seeded = DistributedLion(lr=0.1, init_seed=5, downlink=downlink)
@@ -286,6 +288,7 @@ def test_init_seed_sends_the_seed_instead_of_the_model_and_falls_back_on_mismatc
     error = Message(
         Error(code=2, reason="ClientStateError: node 2: x0 built from seed 5 has checksum 1"), reply_to=sent[2]
     )
+    caplog.set_level(logging.WARNING, logger="flwr")
     seeded.aggregate_train(1, [signs_reply(sent[1], [1] * 10), error])
     nxt = {
         m.metadata.dst_node_id: m for m in seeded.configure_train(2, ArrayRecord(), ConfigRecord(), StubGrid([1, 2, 3]))
@@ -295,6 +298,15 @@ def test_init_seed_sends_the_seed_instead_of_the_model_and_falls_back_on_mismatc
     assert nxt[2].content[CONFIG]["kind"] == "full"
     assert nxt[3].content[CONFIG]["kind"] == kind and nxt[3].content[CONFIG]["init-seed"] == 5
     assert nxt[3].content[CONFIG]["base-version"] == 0
+    # Assert: the server said once what went wrong and how to fix it, naming the node and the seed
+    said = [r.getMessage() for r in caplog.records if "torch.manual_seed(5)" in r.getMessage()]
+    assert len(said) == 1 and "node 2 built x₀" in said[0] and "initial_arrays" in said[0]
+    third = {
+        m.metadata.dst_node_id: m for m in seeded.configure_train(3, ArrayRecord(), ConfigRecord(), StubGrid([1, 2, 3]))
+    }
+    assert third[3].content[CONFIG]["init-seed"] == 5  # node 3 is sent the seed again: its x₀ is unknown
+    seeded.aggregate_train(3, [Message(Error(code=2, reason=error.error.reason), reply_to=third[3])])
+    assert sum("torch.manual_seed(5)" in r.getMessage() for r in caplog.records) == 1  # once per run
 
 
 def test_options_are_checked_with_precise_errors() -> None:

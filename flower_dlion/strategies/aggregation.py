@@ -69,6 +69,7 @@ class ReplyAggregation(ServerModelStrategy):
     _resyncs: int
     _clipped: int
     _told_flips: bool
+    _told_seed: bool
     history: list[dict[str, int | float]]
     _state_resets: int
     _shape: Shape  # a property of DistributedLion
@@ -155,6 +156,24 @@ class ReplyAggregation(ServerModelStrategy):
             self._resyncs += int(err.resync)
             if msg.has_error() and node_id in rnd.seeded and SEED_MISMATCH in msg.error.reason:
                 self.state.seed_failed.add(pid)  # the full model from now on
+                self._tell_seed_mismatch(node_id)
+
+    def _tell_seed_mismatch(self, node_id: int) -> None:
+        """Say once why a client's x₀ from ``init_seed`` differs from ``initial_arrays``, and the fix."""
+        if self._told_seed:
+            return
+        self._told_seed = True
+        log(
+            WARNING,
+            "node %d built x₀ with torch.manual_seed(%d) and got a different model than initial_arrays: with "
+            "init_seed=%d, build initial_arrays the way the clients build their model, after the same seed "
+            "(torch.manual_seed(%d); ArrayRecord(Net().state_dict())), or leave init_seed=None. Until then each "
+            "such node's first reply is lost and it is sent the full float32 model instead of the seed",
+            node_id,
+            self.init_seed,
+            self.init_seed,
+            self.init_seed,
+        )
 
     # ------------------------------------------------------------------ 2. aggregate
     def _aggregate(self, replies: list[ValidReply]) -> tuple[codec.PackedAggregate, tuple[float, ...] | None]:

@@ -318,6 +318,7 @@ class DistributedLion(DownlinkMessages, ReplyAggregation):
         self._initial: dict[str, np.ndarray] | None = None  # the initial arrays, until x is made from them
         self._described: ModelSpec | None = None  # the model description the first valid hello gave
         self._told_flips = False  # the coin-flip warning was logged
+        self._told_seed = False  # the init-seed mismatch warning was logged
         self._clipped = 0  # ef-sign scales cut to the median in the round in progress
         self.history: list[dict[str, Any]] = []  # one dict of metrics per aggregated round
 
