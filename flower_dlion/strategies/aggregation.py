@@ -163,16 +163,13 @@ class ReplyAggregation(ServerModelStrategy):
         if self._told_seed:
             return
         self._told_seed = True
+        seed = self.init_seed
         log(
             WARNING,
-            "node %d built x₀ with torch.manual_seed(%d) and got a different model than initial_arrays: with "
-            "init_seed=%d, build initial_arrays the way the clients build their model, after the same seed "
-            "(torch.manual_seed(%d); ArrayRecord(Net().state_dict())), or leave init_seed=None. Until then each "
-            "such node's first reply is lost and it is sent the full float32 model instead of the seed",
-            node_id,
-            self.init_seed,
-            self.init_seed,
-            self.init_seed,
+            f"node {node_id} built x₀ with torch.manual_seed({seed}) and got a different model than initial_arrays: "
+            f"with init_seed={seed}, build initial_arrays the way the clients build their model, after the same "
+            f"seed (torch.manual_seed({seed}); ArrayRecord(Net().state_dict())), or leave init_seed=None. Until then "
+            "each such node's first reply is lost and it is sent the full float32 model instead of the seed",
         )
 
     # ------------------------------------------------------------------ 2. aggregate
