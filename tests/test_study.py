@@ -257,6 +257,16 @@ def test_a_variant_is_another_strategys_settings_with_overrides(tmp_path: Path) 
     assert len(slow) == 4 and all(c.name.startswith("lion-slow_") for c in slow)
     assert all(c.strategy == "global-lion" and c.run_config["strategy"] == "global-lion" for c in slow)
     assert all(c.run_config["lr"] == 0.001 and c.run_config["beta1"] == 0.95 for c in slow)  # base + override
+    # A variant may run on fewer partitions than the study; one outside the study's is refused
+    study.write_text(study.read_text() + 'partitions = ["dirichlet-0.5"]\n')
+    _, cells = sweep.load_study(study)
+    assert sorted(c.name for c in cells if c.label == "lion-slow") == [
+        "lion-slow_dirichlet-0.5_n2_s0",
+        "lion-slow_dirichlet-0.5_n2_s1",
+    ]
+    study.write_text(study.read_text().replace('partitions = ["dirichlet-0.5"]', 'partitions = ["shard-2"]'))
+    with pytest.raises(ValueError, match=r"lion-slow's partitions \['shard-2'\] must be among the study's"):
+        sweep.load_study(study)
 
 
 def test_bytes_to_target_table_uses_the_first_evaluation_at_the_target() -> None:
@@ -350,3 +360,19 @@ def test_convergence_table_and_the_seed_spread_target() -> None:
     assert "to 0.850 (fedavg) | MB / client to 0.779 (its mean − 1 std) |" in targets
     assert "| fedavg | 2.00 [1/2] | 1.50 [2/2] |" in targets
     assert "| ef | – [0/1] | 1.00 [1/1, 1.5×] |" in targets
+
+
+def test_the_report_names_every_cell_that_did_not_train_on_the_cpu() -> None:
+    # Prepare: two CPU cells (one written before `ran_on` existed) and two on a GPU
+    records = [
+        {"name": "a_iid_n2_s0"},
+        {"name": "a_iid_n2_s1", "ran_on": "cpu, torch 2.14.1"},
+        {"name": "b_iid_n2_s1", "ran_on": "cuda (NVIDIA H200), torch 2.11.0"},
+        {"name": "b_iid_n2_s0", "ran_on": "cuda (NVIDIA H200), torch 2.11.0"},
+    ]
+    # Execute
+    line = report.where_ran(records)
+    # Assert
+    assert line == (
+        "Clients trained on the CPU in 2 of 4 cells; on cuda (NVIDIA H200) in 2: `b_iid_n2_s0`, `b_iid_n2_s1`.\n"
+    )

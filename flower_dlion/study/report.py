@@ -326,6 +326,7 @@ def write_report(
         + "; Fashion-MNIST test set"
         + (f"; with the {len(extra)} matching cells of `{baselines}`" if baselines is not None else "")
         + ").\n",
+        where_ran(extra + records),
         results_tables(extra + records, study["study"]),
     ]
     if convergence:
@@ -349,6 +350,21 @@ def write_report(
     generated = "\n".join(parts)
     write_section(out, begin, end, generated)
     return generated
+
+
+def where_ran(records: Sequence[dict[str, Any]]) -> str:
+    """One line saying where the cells' clients trained, naming every cell that did not train on the CPU.
+
+    Cells written before the sweep recorded it (no ``ran_on``) trained on the CPU: no GPU was used before.
+    """
+    places: dict[str, list[str]] = {}
+    for r in records:
+        places.setdefault(r.get("ran_on", "cpu").split(",")[0], []).append(r["name"])
+    cpu = len(places.pop("cpu", []))
+    text = f"Clients trained on the CPU in {cpu} of {len(records)} cells"
+    for where, names in sorted(places.items()):
+        text += f"; on {where} in {len(names)}: " + ", ".join(f"`{n}`" for n in sorted(names))
+    return text + ".\n"
 
 
 def markers(section: str) -> tuple[str, str]:

@@ -24,6 +24,8 @@ strategy's hyperparameters (a list value sweeps that key, e.g. for tuning)::
     [variant.fedavg-slow]                # listed in strategies like a strategy: another
     strategy = "fedavg"                  # strategy's settings with these keys on top
     lr = 0.03
+    partitions = ["iid"]                 # optional: fewer partitions (or seeds-by-clients:
+                                         # fewer seeds) for this variant
 
 Every cell runs the real ServerApp logic (``run_federation``) and ClientApp on an
 in-process Flower grid (``LocalGrid``: every message and context serialized, no Ray),
@@ -108,10 +110,15 @@ def load_study(path: Path) -> tuple[Path, list[Cell]]:
         params = {**per_strategy.get(strategy, {}), **variants.get(label, {})}
         params.pop("strategy", None)
         label_seeds = params.pop("seeds-by-clients", seeds_for)  # a variant may run fewer seeds
+        label_parts = params.pop("partitions", study["partitions"])  # … or on fewer partitions
+        if not set(label_parts) <= set(study["partitions"]):
+            raise ValueError(
+                f"{path}: {label}'s partitions {label_parts} must be among the study's {study['partitions']}"
+            )
         swept = sorted(k for k, v in params.items() if isinstance(v, list))
         fixed = {k: v for k, v in params.items() if not isinstance(v, list)}
         for values in itertools.product(*(params[k] for k in swept)):
-            for n, part in itertools.product(study["num-clients"], study["partitions"]):
+            for n, part in itertools.product(study["num-clients"], label_parts):
                 for seed in label_seeds.get(str(n), study["seeds"]):
                     cfg = {**common, **fixed, **dict(zip(swept, values, strict=True))}
                     cfg.update(parse_partition(part))
@@ -132,6 +139,15 @@ def _is_done(out: Path, cell: Cell) -> bool:
         return json.loads(path.read_text())["key"] == cell.key()
     except (ValueError, KeyError):
         return False
+
+
+def _ran_on(device: str) -> str:
+    """Where a cell's clients trained: ``cpu`` or the CUDA device's name, with torch's version."""
+    import torch
+
+    on_gpu = device != "cpu" and torch.cuda.is_available()
+    where = f"cuda ({torch.cuda.get_device_name(0)})" if on_gpu else "cpu"
+    return f"{where}, torch {torch.__version__}"
 
 
 def run_cell(cell: Cell, out: Path, threads: int | None = None) -> dict[str, Any]:
@@ -177,6 +193,7 @@ def run_cell(cell: Cell, out: Path, threads: int | None = None) -> dict[str, Any
         "run_config": cell.run_config,
         "summary": {k: v for k, v in summary.items() if k != "config"},
         "evals": rows,
+        "ran_on": _ran_on(cfg.get("device", "auto")),
     }
     path = out / "cells" / f"{cell.name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
