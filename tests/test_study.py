@@ -376,3 +376,14 @@ def test_the_report_names_every_cell_that_did_not_train_on_the_cpu() -> None:
     assert line == (
         "Clients trained on the CPU in 2 of 4 cells; on cuda (NVIDIA H200) in 2: `b_iid_n2_s0`, `b_iid_n2_s1`.\n"
     )
+
+
+@pytest.mark.parametrize(
+    "study_file", sorted((Path(__file__).parents[1] / "examples" / "studies").glob("*.toml")), ids=lambda p: p.name
+)
+def test_every_shipped_study_file_loads_with_valid_run_configs(study_file: Path) -> None:
+    # Execute: load_study checks each cell's run config (read_config) as the sweep does before round 1
+    _, cells = sweep.load_study(study_file)
+    # Assert: cells exist and their names, the keys of the cell files, are unique
+    names = [c.name for c in cells]
+    assert names and len(names) == len(set(names))
