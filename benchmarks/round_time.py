@@ -33,6 +33,8 @@ from flower_dlion.server_app import run_federation
 SETTINGS = {
     "fedavg (1 minibatch)": {"strategy": "fedavg", "lr": 0.03, "local-batches": 1},
     "dlion-vote": {"strategy": "dlion-vote"},
+    "dlion-vote, chain downlink": {"strategy": "dlion-vote", "downlink": "chain", "init": "full"},
+    "dlion-vote, link 1 Mbit/s (context-coded Δs)": {"strategy": "dlion-vote", "link-mbps": 1.0},
     "dlion-vote, bf16 momentum": {"strategy": "dlion-vote", "momentum-dtype": "bfloat16"},
     "dlion-mean": {"strategy": "dlion-mean"},
 }

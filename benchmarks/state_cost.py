@@ -2,15 +2,17 @@
 
 Flower serializes a node's whole ``Context`` with every message (simulation and deployment):
 our client keeps its replica x and momentum m there. For d = 10⁵ … 10⁷ this times one
-round trip of the state — ``save_state`` → ``context_to_proto`` → bytes → parse →
-``context_from_proto`` → ``load_state`` — with float32 and bfloat16 momentum, against a
-reference measured in the same run: copying the float32 state's bytes (``torch.clone``).
-It also times our part alone, ``save_state`` then ``load_state`` on the same context without
-serializing it, so that the rest is what Flower's serialization and parsing cost. A second
-table times the alternative, ``state-in-context = false``: the state in a file alone (written
-with ``torch.save`` to a temporary folder, so mostly to the page cache, and read back), plus
-the round trip of the context that is then left (no arrays). All of it is timed in
-alternation (median of ``--repeat``).
+round trip of the state (x and m, as a client of the chain downlink keeps them) — ``save_state``
+→ ``context_to_proto`` → bytes → parse → ``context_from_proto`` → ``load_state`` — with float32
+and bfloat16 momentum, against a reference measured in the same run: copying the float32
+state's bytes (``torch.clone``). It also times our part alone, ``save_state`` then
+``load_state`` on the same context without serializing it, so that the rest is what Flower's
+serialization and parsing cost. A second table times the alternative, ``state-in-context =
+false``: the state in a file alone (written over the older of its node's two slot files in a
+temporary folder, so mostly to the page cache, and read back with every check a client makes),
+plus the round trip of the context that is then left (no arrays). All of it is timed in
+alternation (median of ``--repeat``). A client whose process lives on keeps the state on its
+device between rounds and reads neither (``benchmarks/resnet18_round.py``).
 
 Usage::
 
@@ -27,41 +29,49 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from flwr.app import Context, RecordDict
 from flwr.common.serde import context_from_proto, context_to_proto
 from flwr.proto.message_pb2 import Context as ProtoContext  # pylint: disable=no-name-in-module
 
-from flower_dlion.clients.state import ReplicaState, StateStore, load_state, save_state
+from flower_dlion.clients.state import Expected, HostState, StateStore, crc32, load_state, save_state
 
 
-def round_trip(context: Context, state: ReplicaState, dtype: str, d: int) -> int:
+def host_state(d: int, dtype: str) -> HostState:
+    """A node's state of d values: x and m (float32, or m as bfloat16's bits)."""
+    g = torch.Generator().manual_seed(d)
+    x, m = torch.randn(d, generator=g), torch.randn(d, generator=g) * 1e-3
+    bits = m.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    return HostState(7, 3, crc32(x.numpy()), bits if dtype == "bfloat16" else m.numpy(), m_dtype=dtype, x=x.numpy())
+
+
+def round_trip(context: Context, state: HostState) -> int:
     """Store the state, serialize and parse the context, load the state; returns the serialized bytes."""
-    save_state(context, state.on_host(dtype))
+    save_state(context, state)
     data = context_to_proto(context).SerializeToString()
     proto = ProtoContext()
     proto.ParseFromString(data)
-    loaded = load_state(context_from_proto(proto), d, torch.device("cpu"))
-    assert loaded is not None
+    assert load_state(context_from_proto(proto)) is not None
     return len(data)
 
 
-def save_and_load(context: Context, state: ReplicaState, dtype: str, d: int) -> None:
+def save_and_load(context: Context, state: HostState) -> None:
     """Our part of the round trip alone: store the state, load it from the same context (no serialization)."""
-    save_state(context, state.on_host(dtype))
-    assert load_state(context, d, torch.device("cpu")) is not None
+    save_state(context, state)
+    assert load_state(context) is not None
 
 
-def in_files(folder: Path, context: Context, state: ReplicaState, dtype: str, d: int) -> int:
+def in_files(folder: Path, context: Context, state: HostState) -> int:
     """A round with ``state-in-context = false``: write the state file, round-trip the context, read the file."""
     state.round += 1
     store = StateStore(context, in_context=False, folder=folder, as_of=state.round, keep_round=0)
-    store.save(state.on_host(dtype))
+    store.save(state)
     proto = ProtoContext()
     proto.ParseFromString(context_to_proto(context).SerializeToString())
     assert context_from_proto(proto).state.get("dlion.state") is None
-    assert store.load(d, torch.device("cpu")) is not None
-    return (folder / f"r{state.round}.pt").stat().st_size
+    assert store.load(Expected(state.m.size, "", "", {}), 1) is not None
+    return max(p.stat().st_size for p in folder.glob("*.state"))
 
 
 def main() -> None:
@@ -75,23 +85,22 @@ def main() -> None:
     )
     context_rows, file_rows = [], []
     for d in (int(float(s)) for s in args.sizes.split(",")):
-        states = {"float32": ReplicaState(torch.randn(d), torch.randn(d) * 1e-3, 7, None, 3)}
-        states["bfloat16"] = ReplicaState(states["float32"].x, states["float32"].m.to(torch.bfloat16).float(), 7)
+        states = {k: host_state(d, k) for k in ("float32", "bfloat16")}
         contexts = {k: Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={}) for k in states}
         bare = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
-        sizes = {k: round_trip(contexts[k], states[k], k, d) for k in states}
+        sizes = {k: round_trip(contexts[k], states[k]) for k in states}
         times: dict[str, list[float]] = {k: [] for k in (*states, *(f"{k} {w}" for k in states for w in "of"), "copy")}
         blob = torch.empty(sizes["float32"] // 4 + 1)
         with tempfile.TemporaryDirectory() as tmp:
-            file_sizes = {k: in_files(Path(tmp) / k, bare, states[k], k, d) for k in states}
+            file_sizes = {k: in_files(Path(tmp) / k, bare, states[k]) for k in states}
             for _ in range(args.repeat):  # interleaved, so that every variant sees the same machine state
                 for k in states:
                     t0 = time.perf_counter()
-                    round_trip(contexts[k], states[k], k, d)
+                    round_trip(contexts[k], states[k])
                     t1 = time.perf_counter()
-                    save_and_load(contexts[k], states[k], k, d)
+                    save_and_load(contexts[k], states[k])
                     t2 = time.perf_counter()
-                    in_files(Path(tmp) / k, bare, states[k], k, d)
+                    in_files(Path(tmp) / k, bare, states[k])
                     t3 = time.perf_counter()
                     times[k].append(t1 - t0)
                     times[f"{k} o"].append(t2 - t1)

@@ -41,20 +41,24 @@ class FashionMNISTClient(DLionClient):
     """The app's D-Lion client: its settings come from the run config (``device``, ``client-state-dir`` …)."""
 
     def settings(self, context: Context) -> ClientSettings:
-        """``device``, ``client-state-dir``, ``state-in-context`` and ``momentum-dtype`` of the run config.
+        """The run config's ``device``, ``client-state-dir``, ``state-in-context``, ``momentum-dtype`` and the rest.
+
+        Also ``max-resident`` and ``link-mbps`` (0 and -1: None).
 
         Also builds the run config's ``model`` from now on (a run of another model replaces the
-        model objects of the last one).
+        model objects, and the states kept on the device, of the last one).
         """
         cfg = read_config(context.run_config)
         if self.model_fn is not MODELS[cfg["model"]]:
             self.model_fn = MODELS[cfg["model"]]
-            self._bindings.clear()
+            self._devices.clear()
         return ClientSettings(
             device=cfg["device"],
             state_dir=cfg["client-state-dir"] or None,
             state_in_context=cfg["state-in-context"],
             momentum_dtype=cfg["momentum-dtype"],
+            max_resident=None if cfg["max-resident"] < 0 else cfg["max-resident"],
+            link_mbps=cfg["link-mbps"] or None,
         )
 
 

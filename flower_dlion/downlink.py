@@ -14,8 +14,11 @@ only C_now − C_h to be current (and, across an anchor, the counts at each anch
 one :class:`Segment` per anchor epoch, entropy-coded (:mod:`flower_dlion.entropy`). Its size
 grows like the entropy of a sum of k votes, about log₂ √k bits, not k·log₂ 3.
 
-A replica that holds the two Δs before its version (it received them one by one) decodes the
-next Δ with them as context (9 contexts: ~1.2–1.4 bits a value instead of 1.6 packed).
+A segment of a single Δ goes as that Δ's packed levels (``levels`` 2 or 3: 1 or 1.6 bits a value,
+the size of its entropy code, decoded ~30× faster). A replica that holds the two Δs before its
+version (it received them one by one) may ask for the next Δ coded with them as context instead
+(9 contexts: ~1.2–1.4 bits a value, but an ANS decode of every value: worth it only on a slow link,
+see :mod:`flower_dlion.clients.link`).
 
 What the server keeps (:class:`AnchoredHistory`) is bounded by ``max_bytes``: the packed Δ of
 each kept version (0.2 bytes a value) and C at every :data:`SNAPSHOT_EVERY`-th version and at
@@ -33,10 +36,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import codec, entropy
+from . import accel, codec, entropy
 from .lion import anchored
 
-__all__ = ["AnchoredHistory", "Epoch", "Replica", "Segment", "apply_segments", "context_of", "levels_to_signs"]
+__all__ = [
+    "AnchoredHistory",
+    "Epoch",
+    "Replica",
+    "Segment",
+    "apply_segments",
+    "context_of",
+    "decode_segment",
+    "levels_to_signs",
+    "step_counts",
+]
 
 SNAPSHOT_EVERY = 16  # C is kept at every 16th version; the packed Δs since give any version in between
 CONTEXTS = 9  # (Δ_v, Δ_{v−1}) at a coordinate: 3·(Δ_v + 1) + (Δ_{v−1} + 1)
@@ -81,6 +94,7 @@ class Segment:
     refresh: bool  # ``end`` is an anchor: xₐ ← x, C ← 0
     context: bool  # a single Δ coded with the two before it as context
     payload: bytes
+    levels: int = 0  # 2 or 3: a single Δ as its packed levels (codec.encode_levels); 0: entropy-coded counts
 
 
 @dataclass
@@ -96,27 +110,82 @@ class Replica:
     depth: int = 0  # how many of the two last Δs ``recent`` holds (2: usable as context)
 
 
+def decode_segment(seg: Segment, d: int, ends: list[int], recent: np.ndarray | None) -> np.ndarray:
+    """The count difference a segment carries (int32, host): its entropy code, or its one Δ's packed levels.
+
+    ``recent``: the context the replica holds (for a segment coded with it). Raises
+    :class:`flower_dlion.entropy.CodingError` for a payload that does not decode and
+    ``ValueError`` for levels that cannot occur.
+    """
+    if seg.levels:
+        if seg.levels not in (2, 3) or seg.context:
+            raise ValueError(f"a packed segment of {seg.levels} levels{' with context' if seg.context else ''}")
+        levels = codec.decode_levels(codec.as_uint8(seg.payload), seg.levels, d, torch.uint8)
+        return levels_to_signs(levels, seg.levels).numpy()
+    return entropy.decode(seg.payload, d, ends, recent if seg.context else None, CONTEXTS)
+
+
+def step_counts(
+    anchor: torch.Tensor,
+    counts: torch.Tensor,
+    packed: torch.Tensor,
+    num_levels: int,
+    decay: float,
+    step: float,
+    *,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    scratch: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One Δ given as packed levels on the replica's device: ``C' = C + L`` and ``x' = γ·xₐ − η·C'``.
+
+    Exactly ``anchored(anchor, counts + L, decay, step)`` with ``L = levels_to_signs(levels)``,
+    bit for bit; ``anchor`` and ``counts`` are read, not changed. ``out``: (counts', x') buffers
+    to write into (a client reuses the buffers of a replica it no longer needs: a fresh 4-byte
+    tensor per value costs page faults, about as much as the arithmetic); ``scratch``: a float
+    buffer like x for η·C'. A level that cannot occur (a trit5 byte above 242) raises
+    ``ValueError`` (the inputs are untouched; the outputs are then no replica). Where
+    :mod:`flower_dlion.accel` has a fused pass (numba on the CPU, from 2²⁰ values), it runs.
+    """
+    d = counts.numel()
+    fusable = anchor.dtype == torch.float32 and counts.dtype == torch.int32 and anchor.is_contiguous()
+    if fusable and counts.is_contiguous() and (fast := accel.choose("step_counts", counts.device, d)) is not None:
+        return fast(anchor, counts, packed, num_levels, decay, step, out=out, scratch=scratch)  # one pass
+    levels = codec.decode_levels(packed, num_levels, d, torch.uint8)
+    new_counts, x = out if out is not None else (torch.empty_like(counts), torch.empty_like(anchor))
+    if num_levels == 2:  # L = 2·bit − 1
+        torch.add(counts, levels, alpha=2, out=new_counts)
+    elif num_levels == 3:  # L = level − 1
+        torch.add(counts, levels, out=new_counts)
+    else:
+        raise ValueError(f"the anchored downlink takes a vote (2 or 3 levels), got {num_levels} levels")
+    new_counts.sub_(1)
+    torch.mul(anchor, decay, out=x)  # the three roundings of lion.anchored: γ·xₐ, η·C, their difference
+    scaled = new_counts.to(anchor.dtype) if scratch is None else scratch.copy_(new_counts)
+    return new_counts, x.sub_(scaled.mul_(step))
+
+
 def apply_segments(
     replica: Replica, segments: list[Segment], ends: list[int], limit: int
 ) -> tuple[Replica, torch.Tensor]:
-    """The replica after ``segments`` and its x; ``replica`` is left as it was.
+    """The replica after ``segments`` and its x; ``replica`` is left as it was (the reference; host tensors).
 
     Raises :class:`flower_dlion.entropy.CodingError` for a payload that does not decode and
     ``ValueError`` for counts beyond ``limit`` (more than one per round of the epoch).
     """
-    d, device = replica.counts.numel(), replica.counts.device
-    counts = replica.counts.cpu().numpy().astype(np.int32)  # a copy: the replica is left as it was
+    d = replica.counts.numel()
+    counts = replica.counts.numpy().astype(np.int32)  # a copy: the replica is left as it was
     anchor, anchor_version, version = replica.anchor, replica.anchor_version, replica.version
     recent, recent_version, depth = replica.recent, replica.recent_version, replica.depth
     x = None
     for seg in segments:
-        context = recent if seg.context else None
         if seg.context and (recent is None or recent_version != version or depth < 2):
             raise ValueError(f"a Δ coded with the context of version {version}, which this replica does not hold")
-        got = entropy.decode(seg.payload, d, ends, context, CONTEXTS)
+        got = decode_segment(seg, d, ends, recent)
         bound = 1 if seg.end - version == 1 else 1 << 30  # one Δ: ±1; any: far from int32's overflow below
         if got.size and (int(got.min()) < -bound or int(got.max()) > bound):
             raise ValueError(f"a segment holds counts in [{got.min()}, {got.max()}], beyond ±{bound}")
+        if seg.levels and seg.end - version != 1:
+            raise ValueError(f"a packed Δ from version {version} to {seg.end}: one Δ is one version")
         counts += got
         if got.size and int(np.abs(counts).max()) > limit:
             raise ValueError(f"counts reach {int(np.abs(counts).max())}, more than {limit} rounds of an epoch")
@@ -127,13 +196,12 @@ def apply_segments(
         else:
             recent, recent_version, depth = None, -1, 0
         version = seg.end
-        x = anchored(anchor, torch.from_numpy(counts).to(device), seg.decay, seg.step)
+        x = anchored(anchor, torch.from_numpy(counts), seg.decay, seg.step)
         if seg.refresh:
             anchor, anchor_version = x.clone(), version  # x may be trained on: the anchor is its own copy
             counts[:] = 0
     assert x is not None, "no segments"
-    counts_t = torch.from_numpy(counts).to(device)
-    return Replica(anchor, anchor_version, counts_t, version, recent, recent_version, depth), x
+    return Replica(anchor, anchor_version, torch.from_numpy(counts), version, recent, recent_version, depth), x
 
 
 def _compact(counts: np.ndarray) -> np.ndarray:
@@ -277,24 +345,31 @@ class AnchoredHistory:
     def _segments(self, have: int, with_context: bool) -> list[Segment] | None:
         if not 0 <= have < self.version:
             return None
+        if have == self.version - 1 and not with_context and self.version in self.deltas:  # the last Δ, packed
+            epoch = self._epoch_of(have)  # ended at this version if the anchor moved: the segment refreshes it
+            return [self._segment(np.empty(0, np.int32), epoch, self.version, epoch.end is not None, False, have)]
         base = self.counts_at(have)
         if base is None:
             return None
-        out, epoch = [], self._epoch_of(have)
+        out, epoch, since = [], self._epoch_of(have), have
         while epoch.end is not None:  # past epochs: to their anchor
             end = self.snapshots.get(epoch.end)  # C at the end of that epoch, just before its anchor
             if end is None:
                 return None
-            out.append(self._segment(end - base, epoch, epoch.end, refresh=True, context=False))
-            base = np.zeros_like(base)
+            out.append(self._segment(end - base, epoch, epoch.end, True, False, since))
+            base, since = np.zeros_like(base), epoch.end
             epoch = self.epochs[self.epochs.index(epoch) + 1]
         if self.version > epoch.start:
             assert self.counts is not None
             use_context = with_context and self.previous_context is not None
-            out.append(self._segment(self.counts.numpy() - base, epoch, self.version, False, use_context))
+            out.append(self._segment(self.counts.numpy() - base, epoch, self.version, False, use_context, since))
         return out
 
-    def _segment(self, counts: np.ndarray, epoch: Epoch, end: int, refresh: bool, context: bool) -> Segment:
+    def _segment(self, counts: np.ndarray, epoch: Epoch, end: int, refresh: bool, context: bool, since: int) -> Segment:
+        """One segment to ``end`` from version ``since``: a single Δ without context as its packed levels."""
+        if end - since == 1 and not context and end in self.deltas:
+            num_levels, packed = self.deltas[end]
+            return Segment(end, epoch.decay_at(end), epoch.step, refresh, False, packed, num_levels)
         ctx = self.previous_context if context else None
         payload = entropy.encode(counts, self.ends, ctx, CONTEXTS)
         return Segment(end, epoch.decay_at(end), epoch.step, refresh, context, payload)

@@ -306,6 +306,7 @@ class Binding:
         self._params = [tensors[e.name] for e in self.spec.trainable]
         self._rest = {e.name: tensors[e.name] for e in self.spec.rest}
         self.device = self._params[0].device
+        self._loaded: tuple[object, list[int]] | None = None  # the key of the x loaded, its parameters' versions
 
     def flat_parameters(self) -> torch.Tensor:
         """X as the model holds it now: a flat float32 copy."""
@@ -319,16 +320,25 @@ class Binding:
         """The buffers as the model holds them now (not copies)."""
         return {e.name: self._rest[e.name].detach() for e in self.spec.buffers}
 
-    def load_x_(self, x: torch.Tensor) -> None:
-        """Copy the flat vector x into the trainable parameters (cast to each one's dtype)."""
+    def load_x_(self, x: torch.Tensor, key: object = None) -> None:
+        """Copy the flat vector x into the trainable parameters (cast to each one's dtype).
+
+        ``key``: what x is (e.g. a replica's version and checksum); the copy is skipped when the
+        parameters hold that x already and nothing has changed them in place since (their
+        version counters): nodes that train at one version in one process copy it once.
+        """
         if x.numel() != self.spec.d:
             raise ValueError(f"flat vector has {x.numel()} values, the model has {self.spec.d} trainable")
+        if key is not None and self._loaded is not None and self._loaded[0] == key:
+            if [p._version for p in self._params] == self._loaded[1]:
+                return
         offset = 0
         with torch.no_grad():
             for p in self._params:
                 n = p.numel()
                 p.copy_(x[offset : offset + n].view(p.shape))
                 offset += n
+        self._loaded = None if key is None else (key, [p._version for p in self._params])
 
     def load_rest_(self, rest: Mapping[str, torch.Tensor]) -> None:
         """Copy frozen parameters and buffers into the model (names of ``rest`` only)."""
@@ -336,13 +346,17 @@ class Binding:
             for name, value in rest.items():
                 self._rest[name].copy_(value)
 
-    def gradient(self, x: torch.Tensor, loss_fn: LossFn, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def gradient(
+        self, x: torch.Tensor, loss_fn: LossFn, batch: Any, out: torch.Tensor | None = None, key: object = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Loss at x on one batch and its gradient as one flat float32 vector (x's layout).
 
         A parameter the loss does not reach gets a zero gradient. The batch is moved to the
-        model's device first.
+        model's device first. ``out``: a float32 buffer of length d to write the gradient into
+        (a fresh vector per step costs page faults on the CPU at millions of values); ``key``:
+        see :meth:`load_x_`.
         """
-        self.load_x_(x)
+        self.load_x_(x, key)
         loss = loss_fn(self.model, to_device(batch, self.device))
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
@@ -351,4 +365,4 @@ class Binding:
             (torch.zeros(p.numel(), device=p.device) if g is None else g.reshape(-1).float())
             for p, g in zip(self._params, grads, strict=True)
         ]
-        return loss.detach().float(), torch.cat(flat)
+        return loss.detach().float(), torch.cat(flat) if out is None else torch.cat(flat, out=out)

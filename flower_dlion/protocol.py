@@ -16,9 +16,11 @@ Server → client (``train``)::
 
 The anchored downlink (``downlink.py``; a vote with exact broadcast, the default) sends kind
 "counts": config ``base-version``, ``anchor-every`` and one entry per segment in
-``segment-end`` / ``-decay`` / ``-step`` / ``-refresh`` / ``-context`` / ``-bytes``, and in
-"dlion.update" Array "counts" (stype "dlion.coded"): the segments' entropy-coded count
-differences back to back (``entropy.py``: header, ANS words, CRC-32). Its "full" message holds
+``segment-end`` / ``-decay`` / ``-step`` / ``-refresh`` / ``-context`` / ``-bytes`` (and
+``segment-levels`` when a segment is one Δ sent as its packed levels, 2 or 3; 0 for the others), and in
+"dlion.update" Array "counts" (stype "dlion.coded"): the segments back to back, each the
+entropy-coded count differences (``entropy.py``: header, ANS words, CRC-32) or one Δ's packed
+levels. Its "full" message holds
 the anchor x_a (Array "payload", float32) at ``anchor-version`` and the segments since it. A
 reply may carry ``context`` (a version): the client holds the two last Δs of that version, so the
 next Δ can be coded with them as context.

@@ -14,8 +14,6 @@ from hypothesis import strategies as st
 
 from flower_dlion import codec, lion, quantizers
 from flower_dlion.client_app import app as client_app
-from flower_dlion.clients.replica import apply_message
-from flower_dlion.clients.state import ReplicaState, load_state
 from flower_dlion.config import read_config
 from flower_dlion.local_grid import LocalGrid
 from flower_dlion.model import Net, flat_parameters, seeded_net
@@ -24,6 +22,7 @@ from flower_dlion.protocol import BROADCAST, CONFIG, METRICS, MOMENTUM, UPLOAD, 
 from flower_dlion.server_app import build_strategy
 from flower_dlion.strategies import DistributedLion
 
+from .states import apply, load, node_at, replica_after
 from .test_strategy import X0, StubGrid, first_round, signs_reply
 
 SIZES = [6, 4]  # the two tensors of test_strategy's model: "w" (2, 3) and "b" (4,)
@@ -220,9 +219,8 @@ def test_ef_sign_upload_and_one_bit_broadcast_with_server_error_feedback() -> No
     # … and the broadcast carries the scales, which give clients exactly the server's x
     cfg = nxt[0].content[CONFIG]
     assert cfg["num-levels"] == [2] and len(cfg["scales"]) == 2
-    replica = ReplicaState(torch.from_numpy(X0.copy()), torch.zeros(10), 0)
-    state = apply_message(nxt[0].content, replica, strategy.spec, torch.device("cpu"), 1)
-    assert torch.equal(state.x, strategy.x)
+    state = apply(nxt[0].content, node_at(X0), strategy.spec)
+    assert torch.equal(state.replica.x, strategy.x)
 
 
 def test_ef_sign_reply_without_valid_scales_is_rejected() -> None:
@@ -371,12 +369,10 @@ def test_every_option_keeps_every_replica_equal_to_the_server_x(name: str, tmp_p
         _, metrics = strategy.aggregate_train(rnd, replies)
         assert metrics["num-replies"] == 3 and metrics["num-rejected"] == 0
     # Assert: what each client would apply next gives exactly the server's x
-    d = strategy.num_parameters
     for msg in strategy.configure_train(5, ArrayRecord(), ConfigRecord(), grid):
         node = msg.metadata.dst_node_id
-        state = load_state(grid.context(node), d, torch.device("cpu"))
-        assert state is not None
-        replica = apply_message(msg.content, state, strategy.spec, torch.device("cpu"), node).x
+        assert load(grid.context(node)) is not None
+        replica = replica_after(msg.content, grid.context(node), strategy.spec, node)
         assert torch.equal(replica, strategy.x)
     assert strategy.x.isfinite().all() and not torch.equal(strategy.x, flat_parameters(Net()))
 
@@ -395,9 +391,9 @@ def test_measured_upload_bytes_follow_the_encoding(options: dict, bits: int) -> 
     grid = LocalGrid(client_app, 2, run_config=run_config)
     torch.manual_seed(0)
     arrays = ArrayRecord(Net().state_dict())
-    d = sum(p.numel() for p in Net().parameters())
     # Execute
     replies = grid.send_and_receive(strategy.configure_train(1, arrays, ConfigRecord({"batch-size": 8}), grid))
+    d = strategy.num_parameters
     # Assert: payload bytes plus a fixed header that does not grow with d (about 0.9 KB for the
     # record tree and metrics, and about 0.45 KB for the scales Array of the ef-sign upload)
     for reply in replies:
@@ -441,7 +437,7 @@ def test_one_client_uploads_exactly_the_k_step_sum_and_keeps_its_quantization_er
         # Execute: one round
         msgs = strategy.configure_train(1, ArrayRecord(seeded_net(0).state_dict()), ConfigRecord({"seed": 0}), grid)
         strategy.aggregate_train(1, grid.send_and_receive(msgs))
-        results[upload] = (strategy, load_state(grid.context(grid.node_ids[0]), x0.numel(), torch.device("cpu")))
+        results[upload] = (strategy, load(grid.context(grid.node_ids[0])))
     # Assert (sum): the server applied U/n with n = 1, exactly: x0 − lr·(U + K·wd·x0)
     expected = x0.clone()
     lion.apply_update_(expected, u_ref, lr, wd * k)

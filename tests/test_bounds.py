@@ -145,9 +145,10 @@ def _segment(key: str, value: float) -> Callable[[Message], None]:
     return tamper
 
 
-def _counts_bit_flipped(msg: Message) -> None:
+def _trits_broken(msg: Message) -> None:
+    assert msg.content[CONFIG]["segment-levels"] == [3]  # one Δ, as packed trits
     arr = msg.content[BROADCAST]["counts"]
-    arr.data = arr.data[:30] + bytes([arr.data[30] ^ 1]) + arr.data[31:]
+    arr.data = arr.data[:30] + bytes([255]) + arr.data[31:]  # 5 trits a byte hold 0…242
 
 
 def _momentum(value: float) -> Callable[[Message], None]:
@@ -174,8 +175,8 @@ def _momentum(value: float) -> Callable[[Message], None]:
         (_segment("segment-decay", math.nan), {}, "a segment with decay nan and step 0.01"),
         (_segment("segment-decay", 1.5), {}, "a segment with decay 1.5 and step 0.01"),
         (_segment("segment-step", -1.0), {}, "step -1.0 (0 < decay <= 1, step >= 0): refused"),
-        (_segment("segment-end", 5), {}, "the counts reach version 5, the server's is 2"),
-        (_counts_bit_flipped, {}, "node 1000, round 3: CRC-32 mismatch"),
+        (_segment("segment-end", 5), {}, "node 1000, round 3: a packed Δ to version 5 from version 1"),
+        (_trits_broken, {}, "node 1000, round 3: trit5 byte above 242 (3^5 - 1): corrupted payload: refused"),
         (_momentum(math.nan), {"momentum_sync_every": 2}, "the synced momentum has values outside ±1e+06"),
         (_momentum(1e30), {"momentum_sync_every": 2}, "the synced momentum has values outside ±1e+06"),
     ],

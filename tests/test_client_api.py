@@ -21,8 +21,7 @@ from flower_dlion import DistributedLion, DLionClient
 from flower_dlion.bounds import robust_buffers
 from flower_dlion.client_app import app as repo_app
 from flower_dlion.clients import dlion as dlion_module
-from flower_dlion.clients.replica import apply_message
-from flower_dlion.clients.state import STATE_ARRAYS, STATE_REST, load_state
+from flower_dlion.clients.state import STATE_ARRAYS, STATE_REST
 from flower_dlion.config import read_config
 from flower_dlion.local_grid import LocalGrid
 from flower_dlion.params import Entry, ModelSpec
@@ -30,6 +29,7 @@ from flower_dlion.server_app import run_federation
 
 from . import byom
 from .byom import ByomNet
+from .states import replica_after, rounds_in
 
 CPU = torch.device("cpu")
 D = 406_794
@@ -45,8 +45,7 @@ def next_replicas(strategy: DistributedLion, grid: LocalGrid, rnd: int) -> dict[
     out = {}
     for msg in strategy.configure_train(rnd, ArrayRecord(), ConfigRecord(), grid):
         node = msg.metadata.dst_node_id
-        state = load_state(grid.context(node), strategy.num_parameters, CPU)
-        out[node] = apply_message(msg.content, state, strategy.spec, CPU, node).x
+        out[node] = replica_after(msg.content, grid.context(node), strategy.spec, node)
     return out
 
 
@@ -292,7 +291,8 @@ def test_nodes_without_a_partition_id_are_known_by_their_node_id(tmp_path: Path)
     # Assert
     assert sorted(strategy._node_of) == grid.node_ids  # keyed by node id
     assert all(h["num-replies"] == 3 and h["num-rejected"] == 0 for h in strategy.history)
-    assert sorted(p.name for p in (tmp_path / "run-5").iterdir()) == [f"node-{n}" for n in grid.node_ids]
+    names = sorted(p.name for p in (tmp_path / "run-5").iterdir())
+    assert names == ["anchors"] + [f"node-{n}" for n in grid.node_ids]  # the anchors: one file per anchor, shared
 
 
 def test_a_model_too_large_for_the_context_keeps_its_state_in_files(
@@ -319,10 +319,9 @@ def test_a_model_too_large_for_the_context_keeps_its_state_in_files(
     ]
     assert len(said) == 1
     assert all(not grid.context(n).state for n in grid.node_ids)
-    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*.pt")) == [
-        "run-9/partition-0/r3.pt",
-        "run-9/partition-1/r3.pt",
-    ]
+    client.wait()  # the last round's files are written after the replies
+    for pid in (0, 1):  # two slots a node, written in turn: rounds 2 and 3
+        assert rounds_in(tmp_path / "run-9" / f"partition-{pid}") == [2, 3]
     assert [h["full-syncs"] for h in strategy.history] == [2, 0, 0]
 
 

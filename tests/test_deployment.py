@@ -16,6 +16,8 @@ import pytest
 
 from flower_dlion.deploy import Deployment
 
+from .states import rounds_in
+
 pytestmark = pytest.mark.slow
 
 
@@ -50,9 +52,9 @@ def test_three_supernodes_with_tls_and_auth_finish_and_bytes_match_the_superlink
     assert traffic["inbound-bytes"] == pytest.approx(summary["total_mb_up"] * 1e6, rel=0.05)
     assert traffic["outbound-bytes"] == pytest.approx(summary["total_mb_down"] * 1e6, rel=0.05)
     # each SuperNode's ClientApp kept its state in its partition's file of the last round, and only there
-    assert sorted(str(p.relative_to(state)).split(os.sep, 1)[1] for p in state.rglob("*.pt")) == [
-        f"partition-{i}{os.sep}r2.pt" for i in range(3)
-    ]
+    folders = sorted(p.parent for p in state.rglob("*.state"))
+    assert sorted({f.name for f in folders}) == [f"partition-{i}" for i in range(3)]
+    assert all(rounds_in(f) == [1, 2] for f in set(folders))  # the two slots: rounds 1 and 2
 
 
 def _rows(results: Path) -> list[dict]:

@@ -10,6 +10,8 @@ from flower_dlion import codec, entropy
 from flower_dlion.downlink import AnchoredHistory, Replica, apply_segments, context_of, levels_to_signs
 from flower_dlion.lion import anchored
 
+from .states import load
+
 D = 3000
 SIZES = [1000, 1500, 500]
 ENDS = entropy.blocks_of(SIZES)
@@ -201,14 +203,14 @@ def test_anchored_partial_participation_keeps_every_replica_exact_across_anchors
     from flwr.app import ConfigRecord
 
     from flower_dlion.client_app import app as client_app
-    from flower_dlion.clients.state import load_state
     from flower_dlion.local_grid import LocalGrid
     from flower_dlion.protocol import CONFIG
     from flower_dlion.strategies import DistributedLion
 
     from .test_federation import LR, RUN_CONFIG, WD, initial_arrays
 
-    grid = LocalGrid(client_app, 10, run_config=RUN_CONFIG, first_node_id=5000)
+    # a slow link (1 kbit/s): the clients ask for context-coded Δs, which then save time
+    grid = LocalGrid(client_app, 10, run_config={**RUN_CONFIG, "link-mbps": 0.001}, first_node_id=5000)
     strategy = DistributedLion(lr=LR, weight_decay=WD, fraction_train=0.5, sample_seed=7, init_seed=0, anchor_every=9)
     _, arrays = initial_arrays()
     xs: dict[int, torch.Tensor] = {}
@@ -220,9 +222,8 @@ def test_anchored_partial_participation_keeps_every_replica_exact_across_anchors
         configs += [m.content[CONFIG] for m in msgs]
         strategy.aggregate_train(rnd, grid.send_and_receive(msgs))
     # Assert: every replica holds the server's x of its version, bit for bit, and its anchor
-    d = strategy.num_parameters
     for node in grid.node_ids:
-        state = load_state(grid.context(node), d, torch.device("cpu"))
+        state = load(grid.context(node))
         assert state is not None and torch.equal(state.x, xs[state.version]), node
     # nothing but seeds and counts went down: no full model, no mismatch; catch-ups crossed anchors
     assert sum(h["full-syncs"] + h["checksum-mismatches"] for h in strategy.history) == 0
@@ -233,8 +234,41 @@ def test_anchored_partial_participation_keeps_every_replica_exact_across_anchors
     assert any(c["segment-context"] == [1] for c in segmented)  # in-sync clients got context-coded Δs
 
 
-def test_a_corrupted_catch_up_is_refused_naming_node_and_round_and_the_state_kept() -> None:
-    # Prepare: two rounds with both nodes, then node 1000's round-3 counts get one bit flipped
+def test_in_sync_clients_get_the_packed_delta_unless_their_link_is_slow(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Prepare: 3 clients in sync for 6 rounds; their link unknown (the default), 10 Gbit/s, 1 kbit/s
+    from flower_dlion import client_app as repository_app
+    from flower_dlion.client_app import app as client_app
+    from flower_dlion.clients.link import DecodeCost
+    from flower_dlion.local_grid import LocalGrid
+    from flower_dlion.protocol import CONFIG
+    from flower_dlion.strategies import DistributedLion
+
+    from .test_federation import LR, RUN_CONFIG, WD, run_rounds
+
+    seen = {}
+    for link in (0.0, 10_000.0, 0.001):
+        monkeypatch.setattr(repository_app.dlion, "_decode_cost", DecodeCost())  # a process that has measured nothing
+        monkeypatch.setattr(repository_app.dlion, "_choices", {})
+        grid = LocalGrid(client_app, 3, run_config={**RUN_CONFIG, "link-mbps": link})
+        strategy = DistributedLion(lr=LR, weight_decay=WD)
+        sent, send = [], grid.send_and_receive
+        grid.send_and_receive = lambda msgs, *a, sent=sent, send=send, **k: send(sent.extend(msgs) or msgs, *a, **k)
+        # Execute
+        run_rounds(strategy, grid, 6)
+        assert all(h["num-replies"] == 3 and h["checksum-mismatches"] == 0 for h in strategy.history)
+        configs = [m.content[CONFIG] for m in sent if CONFIG in m.content]
+        in_sync = [c for c in configs if "segment-end" in c]  # rounds 2–6
+        seen[link] = [(c.get("segment-levels", [0])[0], c["segment-context"][0]) for c in in_sync]
+    # Assert: without a link, each round's Δ as its packed levels, never entropy-coded; on a fast link the
+    # clients measured one context-coded Δ (round 4, once two Δs give the context), found its decode
+    # slower than its bytes, and went back; on a slow link they keep asking
+    assert len(seen[0.0]) == 15 and all(levels in (2, 3) and not context for levels, context in seen[0.0])
+    assert sum(context for _, context in seen[10_000.0]) == 3
+    assert sum(context for _, context in seen[0.001]) == 9  # rounds 4, 5, 6 of each client
+
+
+def test_a_corrupted_delta_is_refused_naming_node_and_round_and_the_state_kept() -> None:
+    # Prepare: two rounds with both nodes, then node 1000's round-3 Δ (packed trits) gets a byte no trits make
     from flwr.app import ConfigRecord
     from flwr.common.serde import context_to_proto
 
@@ -255,14 +289,15 @@ def test_a_corrupted_catch_up_is_refused_naming_node_and_round_and_the_state_kep
     msgs = strategy.configure_train(3, arrays, ConfigRecord(), grid)
     msg = next(m for m in msgs if m.metadata.dst_node_id == 1000)
     arr = msg.content[BROADCAST]["counts"]
-    arr.data = arr.data[:50] + bytes([arr.data[50] ^ 4]) + arr.data[51:]
+    assert msg.content[CONFIG]["segment-levels"] == [3]
+    arr.data = arr.data[:50] + bytes([255]) + arr.data[51:]
     before = context_to_proto(grid.context(1000)).SerializeToString()
     # Execute
     replies = grid.send_and_receive(msgs)
     strategy.aggregate_train(3, replies)
     # Assert: an error reply naming the node, the round and the problem; the state untouched; the round went on
     bad = next(r for r in replies if r.metadata.src_node_id == 1000)
-    assert bad.has_error() and "node 1000, round 3: CRC-32 mismatch" in bad.error.reason, bad.error.reason
+    assert bad.has_error() and "node 1000, round 3: trit5 byte above 242" in bad.error.reason, bad.error.reason
     assert context_to_proto(grid.context(1000)).SerializeToString() == before
     assert strategy.history[-1]["num-replies"] == 1 and strategy.history[-1]["applied"] == 1
     # next round the node rebuilds x₀ from the seed and gets the counts since (no float), and is exact again
@@ -323,13 +358,14 @@ def test_a_node_behind_the_kept_history_rebuilds_x0_from_the_seed_and_history_st
     assert history.memory() <= 10 and history.counts_at(1) is None
 
 
-def test_a_lost_reply_after_a_context_coded_delta_is_taken_back_off_not_resynced() -> None:
-    # Prepare: 2 clients every round; node 1001 holds the two last Δs by round 5, so its round-5 Δ is
-    # coded with them as context, and its round-5 reply is lost after it applied that Δ
+@pytest.mark.parametrize("link", [0.001, 0.0])
+def test_a_lost_reply_after_a_delta_is_taken_back_off_not_resynced(link: float) -> None:
+    # Prepare: 2 clients every round; on a slow link node 1001 holds the two last Δs by round 5, so its round-5
+    # Δ is coded with them as context (link unknown: the packed Δ), and its round-5 reply is lost after it
+    # applied that Δ
     from flwr.app import ConfigRecord
 
     from flower_dlion.client_app import app as client_app
-    from flower_dlion.clients.state import load_state
     from flower_dlion.local_grid import LocalGrid
     from flower_dlion.protocol import CONFIG
     from flower_dlion.strategies import DistributedLion
@@ -339,7 +375,7 @@ def test_a_lost_reply_after_a_context_coded_delta_is_taken_back_off_not_resynced
     def hook(node_id, reply):
         return None if node_id == 1001 and reply.metadata.group_id == "5" else reply
 
-    grid = LocalGrid(client_app, 2, run_config=RUN_CONFIG, reply_hook=hook)
+    grid = LocalGrid(client_app, 2, run_config={**RUN_CONFIG, "link-mbps": link}, reply_hook=hook)
     strategy = DistributedLion(lr=LR, weight_decay=WD, init_seed=0)
     _, arrays = initial_arrays()
     sent = {}
@@ -351,9 +387,12 @@ def test_a_lost_reply_after_a_context_coded_delta_is_taken_back_off_not_resynced
     # Assert: round 5 sent node 1001 a context-coded Δ (3 → 4); round 6 sent it the counts from version 3 (its
     # last confirmed), which it applied after taking round 5's Δ back off: no error, no resync, and its
     # replica's checksum equal to the server's x in rounds 6 and 7 (else the reply would be rejected)
-    assert sent[5][1001]["segment-context"] == [1] and sent[5][1001]["base-version"] == 3
+    if link:
+        assert sent[5][1001]["segment-context"] == [1] and sent[5][1001]["base-version"] == 3
+    else:
+        assert sent[5][1001]["segment-levels"] == [3] and sent[5][1001]["base-version"] == 3
     assert sent[6][1001]["base-version"] == 3 and sent[6][1001]["version"] == 5
     assert [h["num-replies"] for h in strategy.history] == [2, 2, 2, 2, 1, 2, 2]
     assert sum(h["full-syncs"] + h["checksum-mismatches"] + h["num-rejected"] for h in strategy.history) == 0
-    state = load_state(grid.context(1001), strategy.num_parameters, torch.device("cpu"))
+    state = load(grid.context(1001))
     assert state.version == 6 and state.previous == 5 and state.undo  # ready to take round 7's Δ back off

@@ -58,8 +58,10 @@ def test_the_readme_shows_the_quickstarts_diff_and_it_is_small() -> None:
         ).read_text()
 
 
-def flwr_run(app: Path, tmp_path: Path, run_config: str, supernodes: int, timeout: float = 900) -> tuple[str, str]:
-    """``flwr run APP`` in a simulation of ``supernodes`` nodes: (the run's status, its log)."""
+def flwr_run(
+    app: Path, tmp_path: Path, run_config: str, supernodes: int, timeout: float = 900, federation: str = ""
+) -> tuple[str, str]:
+    """``flwr run APP`` in a simulation of ``supernodes`` nodes (and ``federation`` settings): (status, log)."""
     http, control = _free_port(), _free_port()
     env = {
         **os.environ,
@@ -75,9 +77,8 @@ def flwr_run(app: Path, tmp_path: Path, run_config: str, supernodes: int, timeou
         return subprocess.run(["flwr", *args], env=env, capture_output=True, text=True, timeout=wait, check=False)
 
     try:
-        started = flwr(
-            "run", str(app), "--run-config", run_config, "--federation-config", f"num-supernodes={supernodes}"
-        )
+        federation_config = f"num-supernodes={supernodes} {federation}".strip()
+        started = flwr("run", str(app), "--run-config", run_config, "--federation-config", federation_config)
         match = re.search(r"run (\d+)", started.stdout + started.stderr)
         assert started.returncode == 0 and match, started.stdout + started.stderr
         run_id, status, deadline = match.group(1), "", time.time() + timeout
@@ -119,11 +120,18 @@ def test_quickstart_dlion_and_its_fedavg_original_run_with_flwr_run(tmp_path: Pa
 @pytest.mark.slow
 @needs_cli
 def test_resnet18_example_runs_on_synthetic_images_with_its_state_in_files(tmp_path: Path) -> None:
-    # Execute: no CIFAR-10 here, so the synthetic stand-in; 11M parameters, so the state goes to files
-    status, log = flwr_run(EXAMPLES / "resnet18-cifar10", tmp_path, "num-server-rounds=2 batch-size=8", 2, 1500)
-    # Assert
+    # Execute: no CIFAR-10 here, so the synthetic stand-in; 11M parameters, so the state goes to files. Two
+    # worker processes (one CPU each, as `client-resources-num-gpus=0.5` gives two on one GPU): a node's
+    # messages go to either, so its state moves between them through its file
+    status, log = flwr_run(
+        EXAMPLES / "resnet18-cifar10", tmp_path, "num-server-rounds=4 batch-size=8", 3, 1500,
+        federation="client-resources-num-cpus=1",
+    )  # fmt: skip
+    # Assert: every reply of every round valid, no node resynced
     assert status == "finished:completed", log
     assert "accuracy" in log
+    assert re.findall(r"'num-replies': (\d+)", log) == ["3"] * 4, log
+    assert set(re.findall(r"'(?:num-rejected|state-resets|checksum-mismatches)': (\d+)", log)) == {"0"}, log
 
 
 @pytest.mark.slow

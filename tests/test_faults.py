@@ -15,21 +15,24 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord
 
 from flower_dlion import codec
 from flower_dlion.checkpoint import check_resumable, load_checkpoint, save_checkpoint
 from flower_dlion.client_app import app as client_app
+from flower_dlion.client_app import dlion
 from flower_dlion.clients.common import inject_failure
 from flower_dlion.clients.fedavg import _attack
-from flower_dlion.clients.state import ReplicaState, StateStore, load_state, save_state
+from flower_dlion.clients.state import crc32, read_state_file, save_state
 from flower_dlion.config import read_config
+from flower_dlion.lion import anchored
 from flower_dlion.local_grid import LocalGrid
 from flower_dlion.model import Net, flat_parameters
 from flower_dlion.protocol import UPLOAD
 from flower_dlion.server_app import run_federation
 from flower_dlion.strategies import DistributedLion
 
+from .states import load, newest_file, rounds_in
 from .test_federation import LR, RUN_CONFIG, WD, gradient, initial_arrays, run_rounds, sync_replicas
 from .test_strategy import SIGNS, StubGrid, expected_x, first_round, signs_reply
 
@@ -69,7 +72,7 @@ def test_partial_participation_by_partition_keeps_every_replica_exact_for_50_rou
     assert sampled == expected
     # every client that trained holds exactly the server's x of its version, bit for bit
     for node in grid.node_ids:
-        state = load_state(grid.context(node), D, CPU)
+        state = load(grid.context(node))
         assert state is not None, node  # all 10 trained at least once in 50 rounds
         assert torch.equal(state.x, xs[state.version]), node
     # the full model went to each partition once; stale clients got the Δs they missed
@@ -79,15 +82,18 @@ def test_partial_participation_by_partition_keeps_every_replica_exact_for_50_rou
 
 
 def test_checksum_mismatch_triggers_a_logged_full_resync(caplog: pytest.LogCaptureFixture) -> None:
-    # Prepare: node 1001's replica is silently corrupted after round 2
+    # Prepare: node 1001's replica is silently corrupted after round 2, with checksums that fit it (so the
+    # client's own check on loading passes: the server's on its reply is the one that finds it)
     grid = LocalGrid(client_app, 3, run_config=RUN_CONFIG)
     strategy = DistributedLion(lr=LR, weight_decay=WD)
     run_rounds(strategy, grid, 2)
     ctx = grid.context(1001)
-    state = load_state(ctx, D, CPU)
-    state.x[0] += 1e-3
-    state.anchor[0] += 1e-3  # the anchored downlink computes x from its anchor and counts
-    save_state(ctx, state)
+    host = load(ctx).host
+    host.anchor[0] += 1e-3  # the anchored downlink computes x from its anchor and counts
+    host.anchor_checksum = crc32(host.anchor)
+    counts = torch.from_numpy(host.counts.astype(np.int32))
+    host.checksum = crc32(anchored(torch.from_numpy(host.anchor), counts, host.decay, host.step).numpy())
+    save_state(ctx, host)
     grid.set_context(1001, ctx)
     caplog.set_level(logging.WARNING, logger="flwr")
     # Execute
@@ -213,7 +219,7 @@ def test_restarted_node_without_state_gets_full_model_and_fresh_momentum(caplog:
     assert "partition 1 (node 7001) has no state (a restarted SuperNode?): it gets the full model" in caplog.text
     assert strategy.history[-1]["state-resets"] == 1 and strategy.history[-1]["full-syncs"] == 1
     assert strategy.history[-1]["num-replies"] == 3
-    state = load_state(grid.context(7001), D, CPU)
+    state = load(grid.context(7001))
     g = gradient(state.x, 1, 3, 3)
     torch.testing.assert_close(state.m, (1 - 0.99) * g)  # fresh momentum after one step
     for node, x in sync_replicas(strategy, grid, 4).items():
@@ -270,32 +276,8 @@ def test_restarted_node_with_state_files_continues_exactly(tmp_path: Path) -> No
     # Assert: its file gave it back replica and momentum; nothing differs from the twin
     assert strategies[1].history[2]["state-resets"] == 0 and strategies[1].history[2]["full-syncs"] == 0
     assert torch.equal(strategies[0].x, strategies[1].x)
-    twin, restarted = (load_state(g.context(n), D, CPU) for g, n in ((grids[0], 1001), (grids[1], 7001)))
+    twin, restarted = (load(g.context(n)) for g, n in ((grids[0], 1001), (grids[1], 7001)))
     assert torch.equal(twin.m, restarted.m)
-
-
-def test_state_files_keep_the_checkpoints_round_and_the_newest_only(tmp_path: Path) -> None:
-    # Prepare: a partition's folder, and the rounds its client trains in with the server's keep-round
-    state = ReplicaState(torch.zeros(3), torch.zeros(3), 0)
-    ctx = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
-    kept = []
-    # Execute: rounds 1–3 before any checkpoint, a checkpoint after round 3, one after round 5,
-    # then a resume from round 5's checkpoint that trains round 6 again
-    for rnd, keep in ((1, 0), (2, 0), (3, 0), (4, 3), (5, 3), (6, 5), (7, 5), (6, 5)):
-        state.round = rnd
-        StateStore(ctx, in_context=False, folder=tmp_path, as_of=-1, keep_round=keep).save(state)
-        kept.append(sorted(p.name for p in tmp_path.iterdir()))
-    # Assert: the file just written and the newest at or before the checkpoint, nothing else
-    assert kept == [
-        ["r1.pt"],
-        ["r2.pt"],
-        ["r3.pt"],
-        ["r3.pt", "r4.pt"],
-        ["r3.pt", "r5.pt"],
-        ["r5.pt", "r6.pt"],
-        ["r5.pt", "r7.pt"],
-        ["r5.pt", "r6.pt"],  # the dead future (round 7) is gone
-    ]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -312,12 +294,16 @@ def test_state_in_files_only_trains_like_state_in_context_and_survives_a_restart
         h["state-resets"] == 0 and h["full-syncs"] == (3 if h["round"] == 1 else 0) for h in strategies[1].history
     )
     assert torch.equal(strategies[0].x, strategies[1].x)
+    dlion.wait()  # the last round's files are written after the replies
     for pid, node in enumerate(grids[0].node_ids):
-        saved = [torch.load(tmp_path / f"run{i}" / f"partition-{pid}" / "r4.pt", weights_only=True) for i in (0, 1)]
-        assert saved[1]["m"].dtype == getattr(torch, dtype)  # bfloat16 momentum: 2 bytes per value on disk too
-        assert torch.equal(saved[0]["m"], saved[1]["m"]) and torch.equal(saved[0]["x"], saved[1]["x"])
-        assert torch.equal(load_state(grids[0].context(node), D, CPU).m, saved[1]["m"].float())
-    assert sorted(p.name for p in (tmp_path / "run1" / "partition-0").iterdir()) == ["r4.pt"]
+        saved = [read_state_file(newest_file(tmp_path / f"run{i}" / f"partition-{pid}")) for i in (0, 1)]
+        m = saved[1][1]["m"]
+        assert m.dtype == (np.uint16 if dtype == "bfloat16" else np.float32)  # bfloat16: 2 bytes per value on disk
+        assert np.array_equal(saved[0][1]["m"], m) and np.array_equal(saved[0][1]["counts"], saved[1][1]["counts"])
+        assert saved[0][0]["checksum"] == saved[1][0]["checksum"]  # the same replica
+        assert np.array_equal(load(grids[0].context(node)).host.m, m)
+    assert rounds_in(tmp_path / "run1" / "partition-0") == [3, 4]  # the two slots
+    assert len(list((tmp_path / "run1" / "anchors").iterdir())) == 1  # one anchor file for the run's nodes
 
 
 def test_state_in_files_only_without_a_state_key_keeps_it_under_the_run_id(tmp_path: Path) -> None:
@@ -329,8 +315,9 @@ def test_state_in_files_only_without_a_state_key_keeps_it_under_the_run_id(tmp_p
     run_rounds(strategy, grid, 3)
     # Assert: every round trained; each node's newest state is in <dir>/run-<run id>/partition-<id>, none in a context
     assert [h["num-replies"] for h in strategy.history] == [2, 2, 2] and strategy.version == 3
+    dlion.wait()
     for pid, node in enumerate(grid.node_ids):
-        assert sorted(p.name for p in (tmp_path / "run-77" / f"partition-{pid}").iterdir()) == ["r3.pt"]
+        assert rounds_in(tmp_path / "run-77" / f"partition-{pid}") == [2, 3]
         assert not grid.context(node).state
 
 
@@ -477,7 +464,7 @@ def test_bfloat16_momentum_halves_the_stored_momentum_and_keeps_replicas_exact()
         # Assert: m is stored in 2 bytes per value and holds bfloat16 values; replicas stay exact
         ctx = grid.context(1000)
         sizes[dtype] = len(ctx.state["dlion.state"]["m"].data)
-        state = load_state(ctx, D, CPU)
+        state = load(ctx)
         assert torch.equal(state.m, state.m.to(torch.bfloat16).float()) == (dtype == "bfloat16")
         for node, x in sync_replicas(strategy, grid, 4).items():
             assert torch.equal(x, strategy.x), node

@@ -13,8 +13,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message
 
 from flower_dlion.client_app import app as client_app
-from flower_dlion.clients.replica import apply_message
-from flower_dlion.clients.state import STATE_ARRAYS, load_state
+from flower_dlion.clients.state import STATE_ARRAYS
 from flower_dlion.config import read_config
 from flower_dlion.data import load_fashion_mnist, partition_indices, sample_batch, to_tensor
 from flower_dlion.local_grid import LocalGrid
@@ -22,6 +21,8 @@ from flower_dlion.model import Net, flat_gradient, flat_parameters
 from flower_dlion.protocol import UPLOAD
 from flower_dlion.server_app import run_federation
 from flower_dlion.strategies import DistributedLion
+
+from .states import load, replica_after
 
 RUN_CONFIG = {"partitioner": "iid", "batch-size": 16}
 # clients on the CPU where a test compares with gradients computed here: on an H100 the GPU clients'
@@ -93,7 +94,7 @@ def test_momentum_persists_across_rounds_in_context_state() -> None:
         # Execute one round through the real ClientApp and serialized contexts
         run_rounds(strategy, grid, 1, start=rnd)
         for pid, node in enumerate(grid.node_ids):
-            state = load_state(grid.context(node), d, torch.device("cpu"))
+            state = load(grid.context(node))
             # Assert: the stored replica is the server's x before this round's Δ, and
             # the stored momentum follows m ← β₂·m + (1−β₂)·g with g at that replica
             assert state.version == rnd - 1
@@ -110,7 +111,6 @@ def test_fused_client_step_gives_the_same_federation_bit_for_bit(monkeypatch: py
     fused = numba_pack.lion_pack
     monkeypatch.setattr(numba_pack, "lion_pack", lambda *args: calls.append(1) or fused(*args))
     monkeypatch.setattr(probes, "_FUSED_EXACT", {})  # the rounding probe runs once, in this test
-    d = sum(p.numel() for p in Net().parameters())
     results = {}
     for mode in ("off", "on"):  # the composition lion.local_step_ + pack_signs, then the fused kernel
         # Prepare
@@ -119,7 +119,7 @@ def test_fused_client_step_gives_the_same_federation_bit_for_bit(monkeypatch: py
         strategy = DistributedLion(lr=LR, weight_decay=WD)
         # Execute
         run_rounds(strategy, grid, 3)
-        momenta = [load_state(grid.context(n), d, torch.device("cpu")).m for n in grid.node_ids]
+        momenta = [load(grid.context(n)).m for n in grid.node_ids]
         results[mode] = (strategy.x.clone(), momenta, len(calls))
     # Assert: the same model and momenta; the fused kernel ran only under "on": 3 clients × 3 rounds + the probe
     assert torch.equal(results["off"][0], results["on"][0])
@@ -139,7 +139,6 @@ def test_a_federation_on_torchs_openmp_team_equals_the_composition(how: str, mon
     runs = []
     run = Team.run
     monkeypatch.setattr(Team, "run", lambda self, *args: runs.append(1) or run(self, *args))
-    d = sum(p.numel() for p in Net().parameters())
     results = {}
     for mode in ("off", "team"):  # torch operations and numpy, then every kernel on torch's team at every size
         # Prepare
@@ -151,7 +150,7 @@ def test_a_federation_on_torchs_openmp_team_equals_the_composition(how: str, mon
         strategy = DistributedLion(aggregation=how, lr=LR, weight_decay=WD)
         # Execute
         run_rounds(strategy, grid, 3)
-        momenta = [load_state(grid.context(n), d, torch.device("cpu")).m for n in grid.node_ids]
+        momenta = [load(grid.context(n)).m for n in grid.node_ids]
         results[mode] = (strategy.x.clone(), momenta, len(runs))
     # Assert: the same model and momenta bit for bit; under "team" the kernels ran there (steps, counts, applies)
     assert torch.equal(results["off"][0], results["team"][0])
@@ -161,12 +160,10 @@ def test_a_federation_on_torchs_openmp_team_equals_the_composition(how: str, mon
 
 def sync_replicas(strategy: DistributedLion, grid: LocalGrid, rnd: int) -> dict[int, torch.Tensor]:
     """Bring each client's replica to the server's version with what the server would send next."""
-    d = strategy.num_parameters
     out = {}
     for msg in strategy.configure_train(rnd, ArrayRecord(), ConfigRecord(), grid):
         node = msg.metadata.dst_node_id
-        state = load_state(grid.context(node), d, torch.device("cpu"))
-        out[node] = apply_message(msg.content, state, strategy.spec, torch.device("cpu"), node).x
+        out[node] = replica_after(msg.content, grid.context(node), strategy.spec, node)
     return out
 
 

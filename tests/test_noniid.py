@@ -12,7 +12,6 @@ from flwr.app import ArrayRecord, ConfigRecord
 
 from flower_dlion import lion, quantizers
 from flower_dlion.client_app import app as client_app
-from flower_dlion.clients.state import load_state
 from flower_dlion.config import read_config
 from flower_dlion.data import load_fashion_mnist, partition_indices, sample_batch, to_tensor
 from flower_dlion.local_grid import LocalGrid
@@ -20,6 +19,7 @@ from flower_dlion.model import Net, flat_gradient, flat_parameters, seeded_net
 from flower_dlion.protocol import CONFIG
 from flower_dlion.server_app import build_strategy, run_federation, train_config
 from flower_dlion.strategies import DistributedLion
+from tests.states import load, node_at
 from tests.test_data_config import fake_fashion_dir
 
 D = 281_034
@@ -103,7 +103,7 @@ def test_one_fedsmu_client_is_one_lion_step_on_its_local_sgd_model_change() -> N
         cfg = msgs[0].content[CONFIG]
         assert (cfg["local-optimizer"], cfg["local-lr"], cfg["local-steps"]) == ("sgd", eta, k)
         strategy.aggregate_train(server_round, grid.send_and_receive(msgs))
-        state = load_state(grid.context(grid.node_ids[0]), D, torch.device("cpu"))
+        state = load(grid.context(grid.node_ids[0]))
         assert state is not None
         # Assert: by hand, x_K by K SGD steps, g = x − x_K, δ = sign(β₁m + (1−β₁)g), m ← β₂m + (1−β₂)g,
         # and with n = 1 the mean is δ: x ← x − lr·(δ + wd·x) (one step's decay, not K's)
@@ -137,7 +137,7 @@ def test_local_sgd_with_ef_sign_sends_the_model_change_itself_compressed_with_er
         assert (cfg["local-optimizer"], cfg["upload"], cfg["local-steps"]) == ("sgd", "ef-sign", k)
         sizes = [p.numel() for p in seeded_net(0).parameters()]  # one scale per tensor
         strategy.aggregate_train(server_round, grid.send_and_receive(msgs))
-        state = load_state(grid.context(grid.node_ids[0]), D, torch.device("cpu"))
+        state = load(grid.context(grid.node_ids[0]))
         assert state is not None
         # Assert: by hand, g = x − x_K; the client sends q(g + e) = sⱼ·sign, per tensor sⱼ = mean|g + e|,
         # and keeps e ← g + e − q(g + e); the server (n = 1) sends q(that + e_s) and applies x ← x − Δ
@@ -449,19 +449,17 @@ def test_stale_momentum_decays_or_resets_by_the_rounds_missed(
     policy: str, before: int | None, after: int, want: list[float]
 ) -> None:
     from flower_dlion.clients.local_work import age_momentum
-    from flower_dlion.clients.state import ReplicaState
 
-    state = ReplicaState(torch.zeros(2), torch.tensor([4.0, -2.0]), after)
+    state = node_at(np.zeros(2), after, torch.tensor([4.0, -2.0]))
     age_momentum(state, before, ConfigRecord({"stale-momentum": policy, "beta2": 0.5}), 1)
     assert state.m.tolist() == want
 
 
 def test_unknown_stale_momentum_is_refused_and_bad_arguments_fail_early() -> None:
     from flower_dlion.clients.local_work import ClientStateError, age_momentum
-    from flower_dlion.clients.state import ReplicaState
 
     with pytest.raises(ClientStateError, match="node 5: unknown stale-momentum 'forget'"):
-        age_momentum(ReplicaState(torch.zeros(2), torch.ones(2), 3), 1, ConfigRecord({"stale-momentum": "forget"}), 5)
+        age_momentum(node_at(np.zeros(2), 3, torch.ones(2)), 1, ConfigRecord({"stale-momentum": "forget"}), 5)
     with pytest.raises(ValueError, match="stale_momentum must be 'keep', 'decay' or 'reset', got 'forget'"):
         DistributedLion(stale_momentum="forget")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"'stale-momentum' must be one of \('keep', 'decay', 'reset'\)"):

@@ -9,8 +9,6 @@ from flwr.app import Array, ArrayRecord, ConfigRecord
 
 from flower_dlion import codec, quantizers
 from flower_dlion.client_app import app as client_app
-from flower_dlion.clients.replica import apply_message
-from flower_dlion.clients.state import ReplicaState
 from flower_dlion.config import read_config
 from flower_dlion.local_grid import LocalGrid
 from flower_dlion.model import Net
@@ -18,6 +16,7 @@ from flower_dlion.protocol import CONFIG, message_bytes
 from flower_dlion.server_app import build_strategy
 from flower_dlion.strategies import DistributedLion
 
+from .states import apply, node_at
 from .test_beyond import with_arrays
 from .test_strategy import X0, StubGrid, first_round, signs_reply
 
@@ -59,9 +58,8 @@ def test_ef_sign_with_block_scales_hand_computed_and_the_replica_follows() -> No
     # … the broadcast carries 3 scales, and a replica applies it to exactly the server's x
     cfg = nxt[0].content[CONFIG]
     assert cfg["scale-block"] == 4 and len(cfg["scales"]) == 3
-    replica = ReplicaState(torch.from_numpy(X0.copy()), torch.zeros(10), 0)
-    state = apply_message(nxt[0].content, replica, strategy.spec, torch.device("cpu"), 1)
-    assert torch.equal(state.x, strategy.x)
+    state = apply(nxt[0].content, node_at(X0), strategy.spec)
+    assert torch.equal(state.replica.x, strategy.x)
 
 
 def test_a_reply_with_one_scale_per_tensor_is_rejected_under_block_scales() -> None:

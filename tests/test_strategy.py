@@ -167,25 +167,27 @@ def test_second_round_broadcasts_packed_delta_that_decodes_to_the_applied_update
         assert torch.equal(x, strategy.x)  # bit-identical replica
 
 
-def test_second_round_sends_coded_counts_that_give_the_applied_x() -> None:
+def test_second_round_sends_the_packed_delta_that_gives_the_applied_x() -> None:
     # Prepare: the anchored downlink (the default for a vote)
-    from flower_dlion import downlink, entropy
+    from flower_dlion import codec, downlink
 
     strategy = DistributedLion(aggregation="vote", lr=0.1, weight_decay=0.5)
     sent = first_round(strategy, [1, 2, 3, 4])
     strategy.aggregate_train(1, [signs_reply(sent[n], SIGNS[n - 1]) for n in (1, 2, 3, 4)])
     # Execute
     msgs = strategy.configure_train(2, ArrayRecord(), ConfigRecord(), StubGrid([1, 2, 3, 4]))
-    # Assert: one segment from version 0 to 1 holding the vote (ties: 0), decay 1 − lr·wd, step lr
+    # Assert: one segment from version 0 to 1 holding the vote (ties: 0) as packed trits (4 voters can tie),
+    # decay 1 − lr·wd, step lr
     vote = np.sign(np.sum(SIGNS, axis=0))
     for msg in msgs:
         cfg, counts = msg.content[CONFIG], msg.content[BROADCAST]["counts"]
         assert cfg["kind"] == "counts" and cfg["base-version"] == 0 and cfg["version"] == 1
         assert cfg["segment-end"] == [1] and cfg["segment-decay"] == [1 - 0.1 * 0.5] and cfg["segment-step"] == [0.1]
-        assert counts.stype == "dlion.coded" and cfg["segment-bytes"] == [len(counts.data)]
-        assert entropy.decode(counts.data, 10, [10]).tolist() == vote.tolist()
+        assert counts.stype == "dlion.coded" and cfg["segment-bytes"] == [len(counts.data)] == [2]
+        assert cfg["segment-levels"] == [3] and cfg["segment-context"] == [0]
+        assert counts.data == codec.encode_levels(torch.from_numpy(vote + 1), 3).numpy().tobytes()
         replica = downlink.Replica(torch.from_numpy(X0.copy()), 0, torch.zeros(10, dtype=torch.int32), 0)
-        segment = downlink.Segment(1, cfg["segment-decay"][0], cfg["segment-step"][0], False, False, counts.data)
+        segment = downlink.Segment(1, cfg["segment-decay"][0], cfg["segment-step"][0], False, False, counts.data, 3)
         _, x = downlink.apply_segments(replica, [segment], [10], limit=200)
         assert torch.equal(x, strategy.x)  # bit-identical replica
         np.testing.assert_allclose(x.numpy(), expected_x(vote.tolist(), 0.1, 0.5), rtol=1e-6)

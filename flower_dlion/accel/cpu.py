@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from .. import codec, lion
+from .. import codec, downlink, lion
 from . import numba_count as count_kernels
 from . import numba_pack as kernels
 from . import threads
@@ -34,6 +34,7 @@ __all__ = [
     "levels_from_planes",
     "pack_local_step_",
     "pack_signs",
+    "step_counts",
 ]
 
 Payload = torch.Tensor | bytes | np.ndarray
@@ -135,6 +136,88 @@ def apply_levels_(
     if max(worst, default=0) > top:
         raise ValueError(f"level outside 0…{top}: corrupted update")
     return x
+
+
+# ------------------------------------------------------------------------- one anchored Δ
+_ANCHORED_EXACT: list[bool] = []  # whether the kernel rounds as lion.anchored's torch operations (probed once)
+
+
+def step_counts(
+    anchor: torch.Tensor,
+    counts: torch.Tensor,
+    packed: torch.Tensor,
+    num_levels: int,
+    decay: float,
+    step: float,
+    *,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    scratch: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`flower_dlion.downlink.step_counts` in two passes: the Δ's levels as bytes, then C' and x' in one.
+
+    The second pass reads 9 bytes a value and writes 8 (the composition: nine passes and
+    four temporaries). ``scratch`` is not needed: the levels go to a buffer kept per thread.
+    """
+    d = counts.numel()
+    if num_levels not in (2, 3):
+        raise ValueError(f"the anchored downlink takes a vote (2 or 3 levels), got {num_levels} levels")
+    new_counts, x = out if out is not None else (torch.empty_like(counts), torch.empty_like(anchor))
+    if not _anchored_matches_torch():
+        signs = downlink.levels_to_signs(codec.decode_levels(packed, num_levels, d), num_levels)
+        torch.add(counts, signs, out=new_counts)
+        x.copy_(lion.anchored(anchor, new_counts, decay, step))
+        return new_counts, x
+    levels = _levels_into(packed, num_levels, d)  # ValueError for a corrupted payload, before anything is written
+    work = functools.partial(
+        kernels.step_counts, levels, 2 if num_levels == 2 else 1, counts.numpy(), anchor.numpy(),
+        new_counts.numpy(), x.numpy(), np.float32(decay), np.float32(step),
+    )  # fmt: skip
+    threads.on_threads(work, d, 1 << 20)
+    return new_counts, x
+
+
+def _levels_into(packed: torch.Tensor, num_levels: int, d: int) -> np.ndarray:
+    """A Δ's ``d`` levels (``sign1`` or ``trit5`` bytes) as uint8, in this thread's reused buffer."""
+    p = codec.as_uint8(packed).numpy()
+    if p.size != codec.encoded_size(d, num_levels):
+        raise ValueError(
+            f"expected {codec.encoded_size(d, num_levels)} bytes for {d} values of {num_levels} levels, got {p.size}"
+        )
+    cache = _THREAD.__dict__.setdefault("levels", {})
+    size = 8 * p.size if num_levels == 2 else 5 * p.size  # levels a byte holds
+    if cache.get("size") != size:
+        cache.update(size=size, buffer=np.empty(size + 8, dtype=np.uint8))
+    buf: np.ndarray = cache["buffer"]
+    if num_levels == 2:  # one bit plane: each byte's 8 bits spread to 8 bytes
+        words = buf[:size].view(np.uint64)
+        planes = p.reshape(1, -1)
+        threads.on_threads(lambda first, last: kernels.planes_to_levels(planes, words, first, last), p.size, 1 << 17)
+    else:
+        lut = codec.trit_table(packed.device).numpy()
+        work = functools.partial(kernels.trits_to_levels, p, lut, buf)
+        if max(threads.on_threads(work, p.size, 1 << 18), default=0) > 242:
+            raise ValueError("trit5 byte above 242 (3^5 - 1): corrupted payload")
+    return buf[:d]
+
+
+def _anchored_matches_torch() -> bool:
+    """Whether the kernel's x' is ``lion.anchored``'s, bit for bit, on a probe (checked once per process)."""
+    if not _ANCHORED_EXACT:
+        gen = torch.Generator().manual_seed(0)
+        d = 3 * 2**10 + 7
+        anchor = torch.randn(d, generator=gen) * torch.rand(d, generator=gen).mul(30).sub(15).exp2()
+        counts = torch.randint(-300, 300, (d,), generator=gen, dtype=torch.int32)
+        levels = torch.randint(0, 3, (d,), generator=gen, dtype=torch.int32)
+        decay, step = 0.9961743216, 3.0517e-4
+        expected = lion.anchored(anchor, counts + levels - 1, decay, step)
+        got_c, got_x = torch.empty_like(counts), torch.empty_like(anchor)
+        kernels.step_counts(
+            levels.to(torch.uint8).numpy(), 1, counts.numpy(), anchor.numpy(), got_c.numpy(), got_x.numpy(),
+            np.float32(decay), np.float32(step), 0, d,
+        )  # fmt: skip
+        exact = torch.equal(got_c, counts + levels - 1)
+        _ANCHORED_EXACT.append(exact and torch.equal(got_x.view(torch.int32), expected.view(torch.int32)))
+    return _ANCHORED_EXACT[0]
 
 
 # ------------------------------------------------------------------------- level codes

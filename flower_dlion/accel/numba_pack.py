@@ -24,6 +24,9 @@ memory once and everything else happens in registers.
   that first), m stored back, the mix's signs packed as above.
 - Apply Δ (server and clients): ``x·decay − lr·(2k − top)/top`` from the levels k in one pass,
   each operation rounded on its own as the torch composition does.
+- One Δ of the anchored downlink (clients): ``C' = C + L`` and ``x' = γ·xₐ − η·C'`` straight
+  from the Δ's packed levels (``sign1`` or ``trit5``), each operation rounded as
+  ``lion.anchored``'s torch operations are.
 - Decode a broadcast Δ (clients): bit planes → byte levels by spreading each plane byte's
   8 bits into 8 bytes with one multiply and three masks (no table); ``trit5`` bytes → five
   levels each from a 256-entry table. Encode ``trit5`` (the server): five levels → a byte.
@@ -48,6 +51,7 @@ __all__ = [
     "lion_pack",
     "pack_positive",
     "planes_to_levels",
+    "step_counts",
     "trits_to_levels",
     "zero_masks",
 ]
@@ -366,6 +370,35 @@ def apply_levels(
         numerator = np.int32(2 * k - top)  # int32, as torch's: AVX2 converts no int64 to float in vectors
         xs[i] = xs[i] * decay - np.float32(np.float32(numerator) / topf) * lr  # x·(1 − lr·wd) − lr·Δ
     return worst
+
+
+# ------------------------------------------------------------------- one anchored Δ
+@_jit
+def step_counts(
+    levels: np.ndarray,
+    scale: int,
+    counts: np.ndarray,
+    anchor: np.ndarray,
+    counts_out: np.ndarray,
+    x_out: np.ndarray,
+    decay: np.float32,
+    step: np.float32,
+    first: int,
+    last: int,
+) -> None:
+    """``C' = C + L`` and ``x' = xₐ·decay − C'·step`` for the values ``first … last−1``, ``L = scale·k − 1``.
+
+    ``levels`` uint8: a Δ's levels k (``scale`` 2 for two levels, 1 for three). ``counts`` int32
+    is read, ``counts_out`` (int32) and ``x_out`` (float32) written; each product and the
+    difference are rounded to float32 on their own, as ``lion.anchored``'s three torch
+    operations are. A plain loop over slices: LLVM vectorizes it.
+    """
+    ks, cs, xa = levels[first:last], counts[first:last], anchor[first:last]
+    c2, x2 = counts_out[first:last], x_out[first:last]
+    for i in range(cs.size):
+        c = cs[i] + np.int32(scale) * np.int32(ks[i]) - 1
+        c2[i] = c
+        x2[i] = xa[i] * decay - np.float32(c) * step
 
 
 # ---------------------------------------------------------------------- decode levels

@@ -30,7 +30,16 @@ One ``train`` message, in order (:meth:`DLionClient.train`):
    with error feedback (each kind in :mod:`flower_dlion.uploads`, which the strategy uses too);
 4. reply with it, the loss, the number of examples, the replica's version and checksum (and
    the momentum or the buffers in the rounds that sync them);
-5. store the state for the next round (:class:`state.StateStore`).
+5. keep the node's state for the next round: on the device (:class:`resident.Residents`, where
+   the process lives on, as Flower's simulation workers do), and persisted on the host
+   (:class:`state.StateStore`: ``context.state`` or a file, what a new process, a restarted
+   node or a resumed run starts from; a node's resident state is used only while the
+   persisted copy is still the one it wrote).
+
+Where each part runs: the host side (the persisted state, the message's payloads, the entropy
+coder, checksums) works on numpy arrays, the device side (the replica, the momentum, the Lion
+step) on tensors on the client's device, and :class:`placement.Placement` is the one place that
+moves arrays between them.
 
 Reproducibility: the batches are drawn, and the loss computed, under torch's RNG seeded by
 (the strategy's seed, the node, the round), so a ``DataLoader(shuffle=True)`` and dropout give
@@ -51,7 +60,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 from torch import nn
 
-from ..params import Binding, LossFn, cross_entropy_loss, layer_mask, state_checksum
+from ..params import Binding, LossFn, cross_entropy_loss, layer_mask, layout_fingerprint
 from ..protocol import (
     CONFIG,
     HELLO,
@@ -62,15 +71,27 @@ from ..protocol import (
     sync_prefixes,
     to_array,
 )
-from .local_work import LocalWork, Tamper, adopt_momentum, age_momentum, upload_arrays
-from .replica import apply_message
-from .state import CONTEXT_LIMIT, ClientStateError, ReplicaState, StateStore, default_state_dir, node_label
+from .link import ContextChoice, DecodeCost
+from .local_work import LocalWork, Tamper, age_momentum, synced_momentum, upload_arrays
+from .placement import Placement
+from .replica import Apply, apply_message
+from .resident import NodeState, ReplicaPool, Residents, device_memory
+from .state import (
+    CONTEXT_LIMIT,
+    ClientStateError,
+    Expected,
+    StateStore,
+    default_state_dir,
+    node_label,
+    wait_for_writes,
+)
 
-__all__ = ["ClientSettings", "ClientStateError", "DLionClient", "Tamper", "resolve_device"]
+__all__ = ["ClientSettings", "ClientStateError", "DLionClient", "DeviceMemoryError", "Tamper", "resolve_device"]
 
 logger = logging.getLogger("flower_dlion")
 
 AUTO_FILES_FROM = 1 << 20  # trainable values from which the state goes to files by default (docs/PERFORMANCE.md §3)
+RESIDENT_SHARE = 0.25  # of the device's memory (the host's for the CPU) that resident node states may take by default
 
 
 @dataclass(frozen=True)
@@ -82,7 +103,7 @@ class ClientSettings:
     device : str (default: "auto")
         ``"auto"`` (CUDA when available, else CPU), ``"cpu"``, ``"cuda"`` or ``"cuda:<i>"``.
     state_dir : str | None (default: None)
-        A folder for state files (``<state_dir>/<run>/<node>/r<round>.pt``): the node's state then
+        A folder for state files (``<state_dir>/<run>/<node>/r<round>.state``): the node's state then
         survives a SuperNode restart and a resumed ServerApp finds it. None: files only where
         the state stays out of the context, in a temporary folder.
     state_in_context : bool | None (default: None)
@@ -90,6 +111,15 @@ class ClientSettings:
         from there up (Flower serializes the context with every message).
     momentum_dtype : {"float32", "bfloat16"} (default: "float32")
         How m is stored between rounds (bfloat16: half the bytes; computed in float32).
+    max_resident : int | None (default: None)
+        How many nodes' states (m, e: 4–8 bytes a parameter each) this process keeps on the
+        device between their messages. None: as many as fit in a quarter of the device's memory
+        (the host's for the CPU); 0: none (every message starts from the persisted copy).
+    link_mbps : float | None (default: None)
+        The node's downlink in Mbit/s, for one choice: whether it asks for each Δ coded with the
+        two before it as context (~20 % fewer bytes down, an entropy decode of every value on the
+        host), which it does while that saves time (:mod:`.link`). None: the node config's
+        ``link-mbps`` if it has one, else the client never asks.
 
     """
 
@@ -97,6 +127,8 @@ class ClientSettings:
     state_dir: str | None = None
     state_in_context: bool | None = None
     momentum_dtype: str = "float32"
+    max_resident: int | None = None
+    link_mbps: float | None = None
 
     def __post_init__(self) -> None:
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
@@ -105,6 +137,20 @@ class ClientSettings:
             raise ValueError(f"momentum_dtype must be 'float32' or 'bfloat16', got {self.momentum_dtype!r}")
         if self.state_in_context not in (None, True, False):
             raise ValueError(f"state_in_context must be True, False or None (auto), got {self.state_in_context!r}")
+        if self.max_resident is not None and not (
+            isinstance(self.max_resident, int) and not isinstance(self.max_resident, bool) and self.max_resident >= 0
+        ):
+            raise ValueError(f"max_resident must be an int >= 0 or None (auto), got {self.max_resident!r}")
+        if self.link_mbps is not None and not _positive(self.link_mbps):
+            raise ValueError(f"link_mbps must be a finite number > 0 (Mbit/s) or None, got {self.link_mbps!r}")
+
+
+def _positive(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and 0 < float(value) < float("inf")
+
+
+class DeviceMemoryError(RuntimeError):
+    """The client's device ran out of memory; the message says how large the model is and what to set."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -114,6 +160,17 @@ def resolve_device(name: str) -> torch.device:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ClientStateError(f"device {name!r} requested but torch.cuda.is_available() is False on this node")
     return torch.device(name)
+
+
+@dataclass
+class _Device:
+    """What a client holds per compute device: the model, the crossing to the host, the replicas, the residents."""
+
+    bound: Binding
+    placement: Placement
+    pool: ReplicaPool
+    residents: Residents
+    grad: torch.Tensor | None = None  # the flat gradient's buffer, reused every step
 
 
 class DLionClient:
@@ -130,7 +187,7 @@ class DLionClient:
     loss_fn : Callable[[nn.Module, batch], Tensor] | None (default: None)
         The loss of one batch; the batch is on the model's device when it is called. None:
         ``cross_entropy(model(inputs), targets)`` for batches ``(inputs, targets)``.
-    device, state_dir, state_in_context, momentum_dtype
+    device, state_dir, state_in_context, momentum_dtype, max_resident, link_mbps
         See :class:`ClientSettings`; checked now. Override :meth:`settings` to choose per node.
 
     Raises
@@ -144,6 +201,12 @@ class DLionClient:
     gradient is cast), frozen parameters, tied parameters and buffers: see
     :mod:`flower_dlion.params` for what happens to each. Integer parameters are refused.
 
+    Where the process serving a node lives on between its messages (Flower's simulation
+    workers, the in-process grid), the node's state stays on the device and the replica is
+    shared by the nodes at one version; the persisted copy is still written every round
+    (a file on a background thread once the process has served a message before), and a new
+    process, a restarted node or a resumed run starts from it.
+
     """
 
     def __init__(
@@ -156,6 +219,8 @@ class DLionClient:
         state_dir: str | None = None,
         state_in_context: bool | None = None,
         momentum_dtype: str = "float32",
+        max_resident: int | None = None,
+        link_mbps: float | None = None,
     ) -> None:
         if isinstance(model_fn, nn.Module) or not callable(model_fn):
             raise TypeError(
@@ -163,11 +228,18 @@ class DLionClient:
             )
         self.model_fn = model_fn
         self.loss_fn: LossFn = loss_fn or cross_entropy_loss
-        self._settings = ClientSettings(device, state_dir, state_in_context, momentum_dtype)
-        self._bindings: dict[torch.device, Binding] = {}
+        self._settings = ClientSettings(device, state_dir, state_in_context, momentum_dtype, max_resident, link_mbps)
+        self._devices: dict[torch.device, _Device] = {}
+        self._choices: dict[str, ContextChoice] = {}
+        self._decode_cost = DecodeCost()  # of a context-coded Δ in this process, measured by whichever node applies one
         self._told: set[str] = set()
+        self._served = 0  # messages this process has handled: from the second on, files are written after the reply
         if app is not None:
             app.query(HELLO_ACTION)(self.hello)
+
+    def wait(self) -> None:
+        """Wait until the state files this process writes in the background are on disk (e.g. at a script's end)."""
+        wait_for_writes()
 
     def settings(self, context: Context) -> ClientSettings:
         """The settings for this node (override to read them from the run or node config)."""
@@ -175,24 +247,35 @@ class DLionClient:
 
     def binding(self, device: torch.device) -> Binding:
         """The model object on ``device`` and its spec (built on first use)."""
-        if device not in self._bindings:
+        return self._on(device, self._settings).bound
+
+    def _on(self, device: torch.device, settings: ClientSettings) -> _Device:
+        """Everything this client holds for ``device`` (made on first use)."""
+        if device not in self._devices:
             model = self.model_fn()
             if not isinstance(model, nn.Module):
                 raise TypeError(f"model_fn must return a torch.nn.Module, got {type(model).__name__}")
-            self._bindings[device] = Binding(model.to(device))
-        return self._bindings[device]
+            pool, placement = ReplicaPool(), Placement(device)
+            budget = int(RESIDENT_SHARE * device_memory(device))
+            residents = Residents(pool, settings.max_resident, budget)
+            self._devices[device] = _Device(Binding(placement.model(model)), placement, pool, residents)
+        return self._devices[device]
 
     # ------------------------------------------------------------------ the hello
     def hello(self, msg: Message, context: Context) -> Message:
         """Say who this node is, which replica version it can start from, and what its model holds."""
-        bound = self.binding(resolve_device(self.settings(context).device))
+        settings = self.settings(context)
+        here = self._on(resolve_device(settings.device), settings)
+        spec = here.bound.spec
         request = msg.content[HELLO] if HELLO in msg.content else ConfigRecord()
-        store = self._store(context, request, bound.spec.d, server_round=0)
-        state = store.load(bound.spec.d, torch.device("cpu"))
+        store, owner = self._store(context, request, spec.d, server_round=0)
+        node = self._start(here, store, owner, context)
+        if node is not None:
+            here.residents.put(owner, node)
         answer = {
             "partition-id": int(context.node_config.get("partition-id", -1)),
-            "version": -1 if state is None else state.version,
-            "model": bound.spec.encode(),
+            "version": -1 if node is None else node.version,
+            "model": spec.encode(),
         }
         return Message(content=RecordDict({HELLO: ConfigRecord(answer)}), reply_to=msg)
 
@@ -220,75 +303,157 @@ class DLionClient:
         """
         settings = self.settings(context)
         device = resolve_device(settings.device)
-        bound = self.binding(device)
-        spec = bound.spec
+        here = self._on(device, settings)
+        spec = here.bound.spec
         if CONFIG not in msg.content:
             raise ClientStateError(
                 f"node {context.node_id}: a train message with records {sorted(msg.content.keys())}, not "
                 f"DistributedLion's '{CONFIG}': does the ServerApp start DistributedLion?"
             )
         round_config = msg.content[CONFIG]
-        server_round, seed, key = (
-            int(round_config["server-round"]),
-            int(round_config.get("seed", 0)),
-            _node_key(context),
-        )
-        store = self._store(context, round_config, spec.d, server_round)
+        server_round = int(round_config["server-round"])
+        store, owner = self._store(context, round_config, spec.d, server_round)
+        choice = self._choice(owner, settings, context)
+        env = Apply(here.placement, here.pool, spec, context.node_id, self._seed_fn, choice)
+        lived, self._served = self._served > 0, self._served + 1
+        node = self._start(here, store, owner, context)
+        held = None
+        try:
+            before = None if node is None else node.version
+            node = apply_message(msg.content, node, env)
+            here.pool.hold(held := node.replica)  # nothing recycles it while this message runs
+            reply = self._round(msg, context, node, before, here, batches, tamper)
+            host = here.placement.node_to_host(node, settings.momentum_dtype)
+            host.owner, host.layout = owner, layout_fingerprint(spec.layout)
+            if choice.keeps and node.replica.depth == 2 and choice.wanted():
+                reply.content[METRICS]["context"] = node.version  # code the next Δ with the two before it
+            node.stamp, node.pending = store.save(host, background=lived)
+            here.residents.put(owner, node)
+        except torch.cuda.OutOfMemoryError as err:
+            here.residents.drop(owner)
+            raise DeviceMemoryError(f"node {context.node_id}: {self._out_of_memory(spec.d, here)}") from err
+        except BaseException:
+            here.residents.drop(owner)  # the next message starts from the persisted copy, which is unchanged
+            raise
+        finally:
+            if held is not None:
+                here.pool.release(held)
+        return reply
 
-        # 1. the replica at the server's version, and the synced momentum
-        loaded = store.load(spec.d, device)
-        before = None if loaded is None else loaded.version  # apply_message moves it in place
-        state = apply_message(msg.content, loaded, spec, device, context.node_id, self._seed_fn)
-        age_momentum(state, before, round_config, context.node_id)
+    def _round(
+        self,
+        msg: Message,
+        context: Context,
+        node: NodeState,
+        before: int | None,
+        here: _Device,
+        batches: Iterable[Any],
+        tamper: Tamper | None,
+    ) -> Message:
+        """Steps 1 (the rest of it) to 4: momentum, local work, upload; the reply (``node`` updated).
+
+        ``before``: the node's version before this message (None: it had no state).
+        """
+        round_config = msg.content[CONFIG]
+        server_round, seed = int(round_config["server-round"]), int(round_config.get("seed", 0))
+        key = _node_key(context)
+        bound, spec, device = here.bound, here.bound.spec, here.placement.device
+        age_momentum(node, before, round_config, context.node_id)
         sync = bool(round_config.get("momentum-sync", 0))
         mask = None
         if sync or MOMENTUM in msg.content:  # parameters whose momentum is synchronized
-            mask = layer_mask(spec.layout, sync_prefixes(str(round_config.get("momentum-sync-layers", "")))).to(device)
+            layers = sync_prefixes(str(round_config.get("momentum-sync-layers", "")))
+            mask = here.placement.to_device(layer_mask(spec.layout, layers).numpy())
         if MOMENTUM in msg.content:
-            adopt_momentum(state, msg.content[MOMENTUM], mask, context.node_id)
-        bound.load_rest_(state.rest)
+            assert mask is not None
+            synced = synced_momentum(msg.content[MOMENTUM], int(mask.sum()), context.node_id)
+            node.m[mask] = here.placement.to_device(synced)
+        bound.load_rest_(node.rest)
 
         # 2.–3. the local Lion steps and the upload
         gen = _generator(device, seed, key, server_round)  # coin flips for exact zeros
-        work = LocalWork(bound, self.loss_fn, batches, accumulate=int(round_config.get("accumulate", 1)))
+        if here.grad is None:
+            here.grad = torch.empty(spec.d, device=device)
+        accumulate = int(round_config.get("accumulate", 1))
+        replica = (node.replica.x, node.replica.ident)
+        work = LocalWork(bound, self.loss_fn, batches, accumulate=accumulate, out=here.grad, replica=replica)
         flips: list[int] = []  # how many signs were coin flips (exact zeros of the Lion mix)
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(_seed(seed, key, server_round, 1))  # the batches' shuffles, dropout
-            arrays = upload_arrays(state, round_config, spec.sizes, work, gen, tamper, flips, context.node_id)
+            arrays = upload_arrays(node, round_config, spec.sizes, work, gen, tamper, flips, context.node_id)
         if sync:
             assert mask is not None
-            arrays["momentum"] = to_array(state.m[mask].cpu().numpy())
-        state.rest.update({name: t.clone() for name, t in bound.buffers().items()})  # the client's own buffers
+            arrays["momentum"] = to_array(here.placement.to_host(node.m[mask]))
+        node.rest = node.rest | {name: t.clone() for name, t in bound.buffers().items()}  # the client's own buffers
         if round_config.get("buffers", 0):
-            arrays["buffers"] = to_array(_flat_buffers(state, spec))
+            arrays["buffers"] = to_array(_flat_buffers(node, spec, here.placement))
         if tamper is not None:
             arrays = tamper.arrays(arrays)
-
-        # 4.–5. reply, and keep the state for the next round
-        state.round = server_round
-        host = state.on_host(settings.momentum_dtype)  # one host copy for the context, the file and the checksum
+        node.round = server_round
         metrics = {
             "num-examples": work.num_examples,
             "train-loss": sum(work.losses) / len(work.losses),
-            "version": state.version,
-            "checksum": state_checksum(host.x),
+            "version": node.version,
+            "checksum": node.replica.checksum,
             "coin-flips": sum(flips),
         }
-        if state.depth == 2 and state.recent_version == state.version:  # the next Δ can be coded with it as context
-            metrics["context"] = state.version
-        store.save(host)
         return Message(content=RecordDict({UPLOAD: ArrayRecord(arrays), METRICS: MetricRecord(metrics)}), reply_to=msg)
 
+    # ------------------------------------------------------------------ the node's state
+    def _start(self, here: _Device, store: StateStore, owner: str, context: Context) -> NodeState | None:
+        """The node's state for this message: resident while its persisted copy is the one it wrote, else that copy."""
+        node = here.residents.get(owner)
+        if node is not None:
+            current = store.current()
+            if current is not None and current[1] == node.stamp:
+                return node
+            here.residents.drop(owner)
+            self._tell_once(
+                "resident",
+                "flower-dlion: node %d: its state on the device is not its persisted copy (%s, written %s): "
+                "the persisted copy wins (logged once)",
+                context.node_id,
+                store.where(),
+                "by another process, or changed since" if current is not None else "nowhere: none there",
+            )
+        spec = here.bound.spec
+        expect = Expected(spec.d, owner, layout_fingerprint(spec.layout), {e.name: tuple(e.shape) for e in spec.rest})
+        host = store.load(expect, context.node_id)
+        return None if host is None else here.placement.host_to_node(host, here.pool)
+
+    def _choice(self, owner: str, settings: ClientSettings, context: Context) -> ContextChoice:
+        """The node's context-coding choice (kept per node: each has its own link)."""
+        link = settings.link_mbps
+        if link is None and "link-mbps" in context.node_config:
+            link = float(context.node_config["link-mbps"])
+            if not _positive(link):
+                raise ClientStateError(f"node {context.node_id}: node config link-mbps = {link!r} (a number > 0)")
+        choice = self._choices.get(owner)
+        if choice is None or choice.link_mbps != link:
+            choice = self._choices[owner] = ContextChoice(link, self._decode_cost)
+        return choice
+
+    def _out_of_memory(self, d: int, here: _Device) -> str:
+        return (
+            f"the device ran out of memory with a model of {d:,} trainable values: each node's state takes "
+            f"{4 * d / 1e6:.1f} MB (8 bytes a value with upload='ef-sign'; {len(here.residents)} resident), each "
+            f"replica version {12 * d / 1e6:.1f} MB; set DLionClient(max_resident=...) lower (0: none), or give "
+            "each client a larger share of the GPU (the simulation's client-resources-num-gpus)"
+        )
+
     # ------------------------------------------------------------------ helpers
-    def _seed_fn(self, seed: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """x₀ and the rest of ``model_fn()`` built under ``torch.manual_seed(seed)`` (the global RNG untouched)."""
+    def _seed_fn(self, seed: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """x₀ and the rest of ``model_fn()`` built under ``torch.manual_seed(seed)`` on the host.
+
+        The global RNG is left as it was.
+        """
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            seeded = Binding(self.model_fn())
-        return seeded.flat_parameters(), seeded.rest()
+            seeded = Binding(self.model_fn())  # built on the CPU: host tensors
+        return seeded.flat_parameters().numpy(), {k: v.numpy() for k, v in seeded.rest().items()}
 
-    def _store(self, context: Context, round_config: ConfigRecord, d: int, server_round: int) -> StateStore:
-        """Where this node's state lives for this message (see :class:`ClientSettings`)."""
+    def _store(self, context: Context, round_config: ConfigRecord, d: int, server_round: int) -> tuple[StateStore, str]:
+        """Where this node's state is persisted for this message (see :class:`ClientSettings`), and whose it is."""
         s = self.settings(context)
         in_context = s.state_in_context
         if in_context is None:
@@ -311,19 +476,18 @@ class DLionClient:
                 8 * d / 1e9,
             )
             in_context = False
+        run = str(round_config.get("state-key", "")) or f"run-{context.run_id}"
         root = s.state_dir or (None if in_context else str(default_state_dir()))
-        folder = None
-        if root is not None:
-            run = str(round_config.get("state-key", "")) or f"run-{context.run_id}"
-            folder = Path(root).expanduser() / run / node_label(context)
+        folder = None if root is None else Path(root).expanduser() / run / node_label(context)
         as_of = int(round_config.get("state-round", server_round - 1 if server_round else -1))
-        return StateStore(
+        store = StateStore(
             context,
             in_context=in_context,
             folder=folder,
             as_of=as_of,
             keep_round=int(round_config.get("keep-round", 0)),
         )
+        return store, f"{run}/{node_label(context)}"
 
     def _tell_once(self, what: str, fmt: str, *args: object) -> None:
         if what not in self._told:
@@ -331,9 +495,9 @@ class DLionClient:
             logger.warning(fmt, *args)
 
 
-def _flat_buffers(state: ReplicaState, spec: Any) -> np.ndarray:
-    """The client's buffers in spec order, as one flat float32 vector."""
-    return torch.cat([state.rest[e.name].detach().reshape(-1).float().cpu() for e in spec.buffers]).numpy()
+def _flat_buffers(node: NodeState, spec: Any, placement: Placement) -> np.ndarray:
+    """The client's buffers in spec order, as one flat float32 vector on the host."""
+    return placement.to_host(torch.cat([node.rest[e.name].detach().reshape(-1).float() for e in spec.buffers]))
 
 
 def _node_key(context: Context) -> int:

@@ -4,7 +4,7 @@
 runs the K local steps (``lion.local_steps_``, or ``lion.local_sgd`` then one Lion step for the
 FedSMU-style client; with K = 1 and the sign upload, the step and its 1-bit pack are one pass,
 ``codec.pack_local_step_``) and encodes U as the round's upload kind (:mod:`flower_dlion.uploads`).
-:func:`age_momentum` and :func:`adopt_momentum` handle the momentum of a node that missed rounds
+:func:`age_momentum` and :func:`synced_momentum` handle the momentum of a node that missed rounds
 and the server's synced momentum. The ClientApp's plumbing around them is :mod:`.dlion`.
 """
 
@@ -23,9 +23,18 @@ from ..params import Binding, LossFn
 from ..protocol import SIGN_STYPE, bits_array
 from ..uploads import UPLOADS, Shape
 from .replica import scale_sizes
-from .state import ClientStateError, ReplicaState
+from .resident import NodeState
+from .state import ClientStateError
 
-__all__ = ["MOMENTUM_LIMIT", "PROXIMAL_LIMIT", "LocalWork", "Tamper", "adopt_momentum", "age_momentum", "upload_arrays"]
+__all__ = [
+    "MOMENTUM_LIMIT",
+    "PROXIMAL_LIMIT",
+    "LocalWork",
+    "Tamper",
+    "age_momentum",
+    "synced_momentum",
+    "upload_arrays",
+]
 
 PROXIMAL_LIMIT = 1e6  # a server asking for a larger local proximal weight is refused
 MOMENTUM_LIMIT = 1e6  # a synced momentum beyond this is no average of gradients a float32 model trains with
@@ -49,10 +58,25 @@ class Tamper:
 
 
 class LocalWork:
-    """The gradients of one round: ``accumulate`` batches per local step, from a fresh iterator."""
+    """The gradients of one round: ``accumulate`` batches per local step, from a fresh iterator.
 
-    def __init__(self, bound: Binding, loss_fn: LossFn, batches: Iterable[Any], *, accumulate: int) -> None:
-        self.bound, self.loss_fn, self.batches, self.accumulate = bound, loss_fn, batches, accumulate
+    ``out``: a buffer for the flat gradient, reused by every step (the caller uses each gradient
+    before it asks for the next). ``replica``: the (x, key) of the round's replica; a gradient
+    at that x tells the model its key (:meth:`Binding.load_x_`: loaded once per version).
+    """
+
+    def __init__(
+        self,
+        bound: Binding,
+        loss_fn: LossFn,
+        batches: Iterable[Any],
+        *,
+        accumulate: int,
+        out: torch.Tensor | None = None,
+        replica: tuple[torch.Tensor, object] | None = None,
+    ) -> None:
+        self.bound, self.loss_fn, self.batches, self.accumulate, self.out = bound, loss_fn, batches, accumulate, out
+        self.replica = replica
         self._it: Iterator[Any] | None = None
         self.losses: list[float] = []
         self.num_examples = 0
@@ -72,18 +96,19 @@ class LocalWork:
         total = None
         for _ in range(self.accumulate):
             batch = self._next_batch()
-            loss, grad = self.bound.gradient(x, self.loss_fn, batch)
+            key = self.replica[1] if self.replica is not None and x is self.replica[0] else None
+            loss, grad = self.bound.gradient(x, self.loss_fn, batch, out=self.out, key=key)
             if not math.isfinite(float(loss)):
                 raise ValueError(f"the loss is {float(loss)} at local step {step}: nothing uploaded, the state is kept")
             self.losses.append(float(loss))
             self.num_examples += _batch_size(batch)
-            total = grad if total is None else total.add_(grad)
+            total = (grad.clone() if self.accumulate > 1 else grad) if total is None else total.add_(grad)
         assert total is not None
         return total if self.accumulate == 1 else total.div_(self.accumulate)
 
 
 def upload_arrays(
-    state: ReplicaState,
+    state: NodeState,
     round_config: ConfigRecord,
     sizes: list[int],
     work: LocalWork,
@@ -96,7 +121,8 @@ def upload_arrays(
 
     ``flips`` gets the number of signs sent as coin flips (exact zeros; the sign upload only).
     """
-    d = state.x.numel()
+    x = state.replica.x  # shared by the nodes at this version: never changed here
+    d = x.numel()
     steps, upload = int(round_config.get("local-steps", 1)), str(round_config.get("upload", "sign"))
     beta1, beta2 = float(round_config["beta1"]), float(round_config["beta2"])
     if upload not in UPLOADS:  # before the local steps: the state stays as it was
@@ -107,11 +133,10 @@ def upload_arrays(
     if mu:  # drift control: each local gradient gains μ·(x_local − x), x the round's replica
         if not (math.isfinite(mu) and 0 < mu <= PROXIMAL_LIMIT):
             raise ClientStateError(f"local-proximal-mu {mu} outside (0, {PROXIMAL_LIMIT:g}]")
-        x0 = state.x.clone()
-        gradient = lambda x, k: work.gradient(x, k).add_(x - x0, alpha=mu)  # noqa: E731
+        gradient = lambda xk, k: work.gradient(xk, k).add_(xk - x, alpha=mu)  # noqa: E731
     optimizer = str(round_config.get("local-optimizer", "lion"))
     if optimizer == "sgd":  # K local SGD steps: g = x − x_K
-        g = lion.local_sgd(state.x, gradient, steps=steps, lr=float(round_config["local-lr"]))
+        g = lion.local_sgd(x, gradient, steps=steps, lr=float(round_config["local-lr"]))
         if upload == "ef-sign":  # g itself, a scaled sign with error feedback (FedAvg's update, compressed)
             if tamper is not None:
                 g = tamper.upload(g, gen)
@@ -121,9 +146,9 @@ def upload_arrays(
     elif optimizer != "lion":
         raise ClientStateError(f"unknown local optimizer {optimizer!r}")
     if steps == 1 and upload == "sign" and tamper is None:  # one fused pass over m and g
-        packed = codec.pack_local_step_(state.m, gradient(state.x, 0), beta1, beta2, gen, flips=flips)
+        packed = codec.pack_local_step_(state.m, gradient(x, 0), beta1, beta2, gen, flips=flips)
         return {"signs": bits_array(packed, d, SIGN_STYPE)}
-    x_local = state.x if steps == 1 else state.x.clone()  # K = 1 never moves x (see local_steps_)
+    x_local = x if steps == 1 else x.clone()  # K = 1 never moves x (see local_steps_)
     u = lion.local_steps_(
         x_local,
         state.m,
@@ -140,7 +165,7 @@ def upload_arrays(
     return arrays
 
 
-def age_momentum(state: ReplicaState, before: int | None, round_config: ConfigRecord, node_id: int) -> None:
+def age_momentum(state: NodeState, before: int | None, round_config: ConfigRecord, node_id: int) -> None:
     """``stale-momentum``: after k missed rounds (versions beyond the one its upload made), m ← β₂ᵏ·m or 0."""
     policy = str(round_config.get("stale-momentum", "keep"))
     if policy not in ("keep", "decay", "reset"):
@@ -154,23 +179,20 @@ def age_momentum(state: ReplicaState, before: int | None, round_config: ConfigRe
         state.m.zero_()
 
 
-def adopt_momentum(state: ReplicaState, record: ArrayRecord, mask: torch.Tensor | None, node_id: int) -> None:
-    """Take the server's combination of the last sync round's momenta for the synced parameters.
+def synced_momentum(record: ArrayRecord, count: int, node_id: int) -> np.ndarray:
+    """The server's combination of the last sync round's momenta for the ``count`` synced parameters, checked.
 
-    Refused (ClientStateError, the state kept) unless it has the synced parameters' shape and
-    every value is finite and within ±:data:`MOMENTUM_LIMIT`.
+    Refused (ClientStateError, the state kept) unless it has that shape and every value is
+    finite and within ±:data:`MOMENTUM_LIMIT`. A host array: the caller places it in m.
     """
-    assert mask is not None
     m_avg = record["m"].numpy()
-    if m_avg.shape != (int(mask.sum()),) or m_avg.dtype != np.float32:
-        raise ClientStateError(
-            f"node {node_id}: momentum of {m_avg.dtype} {m_avg.shape}, expected float32 ({int(mask.sum())},)"
-        )
+    if m_avg.shape != (count,) or m_avg.dtype != np.float32:
+        raise ClientStateError(f"node {node_id}: momentum of {m_avg.dtype} {m_avg.shape}, expected float32 ({count},)")
     if not (np.isfinite(m_avg).all() and np.abs(m_avg).max(initial=0.0) <= MOMENTUM_LIMIT):
         raise ClientStateError(
             f"node {node_id}: the synced momentum has values outside ±{MOMENTUM_LIMIT:g} or non-finite ones: refused"
         )
-    state.m[mask] = torch.from_numpy(m_avg.copy()).to(state.m.device)
+    return m_avg
 
 
 def _batch_size(batch: Any) -> int:

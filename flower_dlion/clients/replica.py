@@ -1,4 +1,4 @@
-"""Bringing a client's replica to the server's version: the full model, x₀ from a seed, or the missed Δs.
+"""Bringing a node to the server's version: the full model, x₀ from a seed, or the Δs it missed.
 
 What a train message says about x (``protocol.CONFIG`` ``kind``):
 
@@ -6,24 +6,34 @@ What a train message says about x (``protocol.CONFIG`` ``kind``):
 * ``"deltas"``: the encoded Δs from ``base-version`` to ``version``, applied in order as the
   server applied them, ``x ← x − lr·(Δ + wd·x)`` (:func:`quantizers.apply_delta_`); Δs the
   replica already has (its reply was lost) are skipped;
-* ``"counts"`` (the anchored downlink, :mod:`flower_dlion.downlink`): entropy-coded count
-  segments from ``base-version`` (one per anchor crossed), ``x = γ·xₐ − η·C``; with the anchored
-  downlink a ``"full"`` message carries the anchor xₐ (at ``anchor-version``) and the segments
-  since it;
+* ``"counts"`` (the anchored downlink, :mod:`flower_dlion.downlink`): count segments from
+  ``base-version`` (one per anchor crossed; one Δ as its packed levels, or entropy-coded
+  counts), ``x = γ·xₐ − η·C``; with the anchored downlink a ``"full"`` message carries the
+  anchor xₐ (at ``anchor-version``) and the segments since it;
 * ``"none"``: the replica is current;
 * with ``init-seed`` (a node without state, ``init = "seed"``): build x₀ from the seed, check
   it against the server's checksum, then apply the Δs since version 0.
 
+A message applied to a replica makes a new :class:`~.resident.Replica` (replicas are never
+changed in place). The process's :class:`~.resident.ReplicaPool` remembers what made it: a
+second node that receives the same message at the same version gets the same replica without
+decoding or computing it again. The one Δ of an in-sync node is applied on the device in one
+step (:func:`downlink.step_counts`: its packed levels go to the device, the counts and x come
+out); catch-ups and context-coded Δs are decoded on the host (the entropy coder) and cross once.
+
 Anything that does not fit the replica, or is out of range (a level above L − 1, a
 non-finite or negative scale, a learning rate or decay that would not shrink x, a non-finite
-model), raises :class:`ClientStateError` naming the problem; the state is then left as it was
-(nothing is stored) and the server sends the full model next time.
+model), raises :class:`ClientStateError` naming the problem; the node's state is then left as
+it was and the server sends the full model next time.
 """
 
 from __future__ import annotations
 
 import math
+import time
+import zlib
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -32,146 +42,332 @@ from flwr.app import RecordDict
 from .. import codec, downlink, entropy, quantizers
 from ..params import ModelSpec, layout_fingerprint, state_checksum
 from ..protocol import BROADCAST, CODED_STYPE, CONFIG, LEVELS_STYPE, REST, SEED_MISMATCH
-from .state import ClientStateError, ReplicaState
+from .link import ContextChoice
+from .placement import Placement
+from .resident import NodeState, Replica, ReplicaPool
+from .state import ClientStateError, crc32
 
-__all__ = ["SCALE_LIMIT", "SeedFn", "apply_message"]
+__all__ = ["SCALE_LIMIT", "Apply", "SeedFn", "apply_message", "scale_sizes"]
 
 SCALE_LIMIT = 1e6  # a Δ's per-tensor scale is in steps of lr: no Lion update is a million steps
 
-SeedFn = Callable[[int], tuple[torch.Tensor, dict[str, torch.Tensor]]]  # seed → (x₀, rest₀) on the device
+SeedFn = Callable[[int], tuple[np.ndarray, dict[str, np.ndarray]]]  # seed → (x₀, rest₀) on the host
 
 
-def apply_message(
-    content: RecordDict,
-    state: ReplicaState | None,
-    spec: ModelSpec,
-    device: torch.device,
-    node_id: int,
-    seed_fn: SeedFn | None = None,
-) -> ReplicaState:
-    """The replica at the version the server sent (``state`` is updated in place where it can be)."""
+@dataclass
+class Apply:
+    """What applying a message needs besides the message itself."""
+
+    placement: Placement  # where the replica lives
+    pool: ReplicaPool  # the replicas of this process
+    spec: ModelSpec  # the model
+    node_id: int  # for messages
+    seed_fn: SeedFn | None = None  # builds x₀ from a seed
+    context: ContextChoice | None = None  # keeps the coder context (the client may ask for Δs coded with it)
+
+    @property
+    def d(self) -> int:
+        """Length of x."""
+        return self.spec.d
+
+    def zeros(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A zero vector of length d on the device."""
+        return torch.zeros(self.d, dtype=dtype, device=self.placement.device)
+
+
+def apply_message(content: RecordDict, node: NodeState | None, env: Apply) -> NodeState:
+    """The node at the version the server sent: ``node``'s own state with a new replica, or a new node."""
     round_config = content[CONFIG]
-    kind, version, d = round_config["kind"], int(round_config["version"]), spec.d
-    if kind == "full" or (state is None and "init-seed" in round_config):
-        _check_layout(round_config, spec, node_id)
+    kind, version = round_config["kind"], int(round_config["version"])
+    if kind == "full" or (node is None and "init-seed" in round_config):
+        _check_layout(round_config, env.spec, env.node_id)
     if kind == "counts" or (kind == "full" and "anchor-version" in round_config):
-        return _apply_anchored(content, state, spec, device, node_id, seed_fn)
+        return _apply_anchored(content, node, env)
     if kind == "full":
-        x = _full_x(content, d, node_id).to(device)
-        rest = _received_rest(content, spec, device, node_id)
-        if state is None:
-            return ReplicaState(x, torch.zeros(d, device=device), version, rest=rest)
-        return ReplicaState(x, state.m, version, state.error, rest=rest)  # a resync keeps its momentum
-    if state is None and "init-seed" in round_config:
-        state = _seeded_state(round_config, spec, device, node_id, seed_fn)
-    if state is None:
+        x = _full_x(content, env.d, env.node_id)
+        checksum = crc32(x)
+        replica = env.pool.find((version, checksum, 0, 0))
+        if replica is None:
+            replica = env.pool.add(Replica(version, env.placement.to_device(x), checksum, host={"x": x}))
+        rest = _received_rest(content, env)
+        if node is None:
+            return NodeState(replica, env.zeros(), rest=rest)
+        return NodeState(replica, node.m, node.error, rest)  # a resync keeps its momentum
+    if node is None and "init-seed" in round_config:
+        base, rest = _seeded(round_config, env, anchored=False)
+        node = NodeState(base, env.zeros(), rest=rest)
+    if node is None:
         raise ClientStateError(
-            f"node {node_id} has no replica (new node, or its state was lost) but received kind={kind!r}; "
+            f"node {env.node_id} has no replica (new node, or its state was lost) but received kind={kind!r}; "
             "the server must send the full model"
         )
-    base = int(round_config["base-version"])
-    if kind == "none" and state.version != base:
-        raise ClientStateError(f"node {node_id}: replica at version {state.version}, server's is {base}")
-    if not base <= state.version <= version:
+    base_version = int(round_config["base-version"])
+    if kind == "none" and node.version != base_version:
+        raise ClientStateError(f"node {env.node_id}: replica at version {node.version}, server's is {base_version}")
+    if not base_version <= node.version <= version:
         raise ClientStateError(
-            f"node {node_id}: replica at version {state.version}, update goes from version {base} to {version}"
+            f"node {env.node_id}: replica at version {node.version}, "
+            f"update goes from version {base_version} to {version}"
         )
     if kind == "deltas":
-        _apply_deltas(content, state, spec, device, node_id, skip=state.version - base)
-    elif kind != "none":
-        raise ClientStateError(f"node {node_id}: unknown update kind {kind!r}")
-    state.version = version
-    return state
+        replica = _apply_deltas(content, node.replica, env, skip=node.version - base_version)
+    elif kind == "none":
+        replica = node.replica
+    else:
+        raise ClientStateError(f"node {env.node_id}: unknown update kind {kind!r}")
+    return NodeState(replica, node.m, node.error, node.rest)
 
 
-def _apply_anchored(
-    content: RecordDict,
-    state: ReplicaState | None,
-    spec: ModelSpec,
-    device: torch.device,
-    node_id: int,
-    seed_fn: SeedFn | None,
-) -> ReplicaState:
-    """The anchored downlink: the base (own state, x₀ from the seed, or the anchor sent), then the count segments."""
+# --------------------------------------------------------------------------- the anchored downlink
+def _apply_anchored(content: RecordDict, node: NodeState | None, env: Apply) -> NodeState:
+    """The anchored downlink: the base (own replica, x₀ from the seed, or the anchor sent), then the count segments."""
     round_config = content[CONFIG]
-    kind, version, d = round_config["kind"], int(round_config["version"]), spec.d
-    m, error, rest = torch.zeros(d, device=device), None, {}
-    if state is not None:
-        m, error, rest = state.m, state.error, state.rest
+    kind, version, node_id = round_config["kind"], int(round_config["version"]), env.node_id
+    m, error, rest = (env.zeros(), None, {}) if node is None else (node.m, node.error, node.rest)
     if kind == "full":  # the anchor, then the counts since it
-        anchor = _full_x(content, d, node_id)
-        rest = _received_rest(content, spec, device, node_id)
-        base = downlink.Replica(anchor.to(device), int(round_config["anchor-version"]), _zeros(d, device), 0)
-        base.version = base.anchor_version
+        anchor = _full_x(content, env.d, node_id)
+        rest = _received_rest(content, env)
+        base = _anchor_replica(anchor, int(round_config["anchor-version"]), env)
     elif "init-seed" in round_config:  # a new node, or one whose replica the server no longer trusts
-        seeded = _seeded_state(round_config, spec, device, node_id, seed_fn)
-        base = downlink.Replica(seeded.x, 0, _zeros(d, device), 0)
-        rest = rest if state is not None else seeded.rest
-    elif state is None or state.anchor is None or state.counts is None:
+        base, rest0 = _seeded(round_config, env, anchored=True)
+        rest = rest if node is not None else rest0
+    elif node is None or node.replica.anchor is None:
         raise ClientStateError(
             f"node {node_id} has no replica (new node, or its state was lost) but received kind={kind!r}; "
             "the server must send the full model"
         )
     else:
-        base = downlink.Replica(
-            state.anchor, state.anchor_version, state.counts, state.version,
-            None if state.recent is None else state.recent.cpu().numpy(), state.recent_version, state.depth,
-        )  # fmt: skip
+        base = node.replica
         sent_from = int(round_config["base-version"])
-        if state.version != sent_from and state.previous == sent_from and state.version == version:
-            return state  # it applied these counts before (its reply was lost): already current
-        if state.version != sent_from and state.previous == sent_from and state.undo:
+        if node.version != sent_from and node.previous == sent_from and node.version == version:
+            return node  # it applied these counts before (its reply was lost): already current
+        if node.version != sent_from and node.previous == sent_from and node.undo:
             try:  # its last catch-up's reply was lost: back to where the server thinks it is
-                base = _undo(base, state, spec)
+                base = _undo(base, node, env)
             except ValueError as err:
                 raise ClientStateError(f"node {node_id}: its last catch-up cannot be taken back ({err})") from err
-        elif state.version != sent_from:
+        elif node.version != sent_from:
             raise ClientStateError(
-                f"node {node_id}: replica at version {state.version}, the counts are from version {sent_from}"
+                f"node {node_id}: replica at version {node.version}, the counts are from version {sent_from}"
             )
-    x, previous, undo = None, -1, b""
+    previous, undo, replica = -1, b"", base
     if "segment-end" in round_config:
         segments = _segments(content, round_config, node_id)
         limit = int(round_config["anchor-every"]) * int(round_config.get("local-steps", 1))
-        before = base
         try:
-            base, x = downlink.apply_segments(base, segments, entropy.blocks_of(spec.sizes), limit)
+            replica, undo = _advance(base, segments, limit, env)
         except ValueError as err:  # CodingError too
             raise ClientStateError(f"node {node_id}, round {round_config['server-round']}: {err}: refused") from err
-        if len(segments) == 1 and not segments[0].refresh:  # what it takes to go back, should the reply be lost
-            previous, undo = before.version, b"C" + segments[0].payload
-            if segments[0].context:  # its decoder needs a context the replica no longer holds: keep the trits
-                trits = (base.counts - before.counts + 1).to(torch.uint8).cpu()  # uint8: the fast trit packer
-                undo = b"T" + codec.encode_levels(trits, 3).numpy().tobytes()
-    if base.version != version:
-        raise ClientStateError(f"node {node_id}: the counts reach version {base.version}, the server's is {version}")
-    if x is None:  # a full message at the anchor's version: x is the anchor
-        x = base.anchor.clone()
-    recent = None if base.recent is None else torch.from_numpy(base.recent).to(device)
-    return ReplicaState(
-        x, m, version, error, rest=rest, anchor=base.anchor, counts=base.counts, recent=recent,
-        anchor_version=base.anchor_version, recent_version=base.recent_version, depth=base.depth,
-        previous=previous, undo=undo,
+        if undo:
+            previous = base.version
+    if replica.version != version:
+        raise ClientStateError(f"node {node_id}: the counts reach version {replica.version}, the server's is {version}")
+    return NodeState(replica, m, error, rest, previous=previous, undo=undo)
+
+
+def _anchor_replica(anchor: np.ndarray, anchor_version: int, env: Apply) -> Replica:
+    """The replica at an anchor sent in full: x = xₐ, C = 0."""
+    checksum = crc32(anchor)
+    ident = (anchor_version, checksum, anchor_version, checksum)
+    found = env.pool.find(ident)
+    if found is not None:
+        return found
+    on_device = env.pool.anchor(anchor_version, checksum)
+    if on_device is None:
+        on_device = env.placement.to_device(anchor)
+    replica = Replica(
+        anchor_version, on_device.clone(), checksum, on_device, anchor_version, checksum, env.zeros(torch.int32),
+        host={"x": anchor, "anchor": anchor},
+    )  # fmt: skip
+    return env.pool.add(replica)
+
+
+def _advance(base: Replica, segments: list[downlink.Segment], limit: int, env: Apply) -> tuple[Replica, bytes]:
+    """The replica after ``segments`` (made once per process) and the record that undoes a one-segment catch-up."""
+    keep_context = env.context is not None and env.context.keeps
+    key = ("segments", base.ident, keep_context, tuple(_fingerprint(s) for s in segments))
+    made = env.pool.made(key)
+    if made is not None:
+        return made
+    t0 = time.perf_counter()
+    seg = segments[0]
+    if len(segments) == 1 and seg.levels and not keep_context:
+        replica, undo = _step(base, seg, limit, env)
+    else:
+        replica, undo = _catch_up(base, segments, limit, env, keep_context)
+    if env.context is not None and len(segments) == 1 and seg.end == base.version + 1:
+        env.context.observe(seg, time.perf_counter() - t0, env.d)
+    return env.pool.add(replica, key, undo), undo
+
+
+def _fingerprint(seg: downlink.Segment) -> tuple:
+    payload = (len(seg.payload), zlib.crc32(seg.payload))
+    return (seg.end, seg.decay, seg.step, seg.refresh, seg.context, seg.levels, *payload)
+
+
+def _step(base: Replica, seg: downlink.Segment, limit: int, env: Apply) -> tuple[Replica, bytes]:
+    """One Δ as packed levels, applied on the device: C' = C + L and x' = γ·xₐ − η·C' in one step."""
+    assert base.anchor is not None and base.counts is not None
+    if seg.end != base.version + 1 or seg.end - base.anchor_version > limit:
+        raise ValueError(f"a packed Δ to version {seg.end} from version {base.version} (anchor {base.anchor_version})")
+    packed = env.placement.bytes_to_device(seg.payload)
+    out, scratch = (env.pool.buffer(base.counts), env.pool.buffer(base.x)), env.pool.buffer(base.x)
+    try:
+        counts, x = downlink.step_counts(
+            base.anchor, base.counts, packed, seg.levels, seg.decay, seg.step, out=out, scratch=scratch
+        )
+    finally:
+        env.pool.give(scratch)
+    anchor, anchor_version, anchor_checksum = base.anchor, base.anchor_version, base.anchor_checksum
+    replica = env.placement.new_replica(x, seg.end)
+    if seg.refresh:  # x becomes the anchor: C ← 0
+        anchor, anchor_version, anchor_checksum = x.clone(), seg.end, replica.checksum
+        counts.zero_()
+        replica.host["anchor"] = replica.host["x"]
+    elif "anchor" in base.host:
+        replica.host["anchor"] = base.host["anchor"]
+    replica.anchor, replica.anchor_version, replica.anchor_checksum = anchor, anchor_version, anchor_checksum
+    replica.counts, replica.step = counts, seg.step
+    replica.decay = 1.0 if seg.refresh else seg.decay  # x = γ·xₐ − η·C: at a new anchor, γ = 1 and C = 0
+    undo = b"" if seg.refresh else b"L" + bytes([seg.levels]) + seg.payload
+    return replica, undo
+
+
+def _catch_up(
+    base: Replica, segments: list[downlink.Segment], limit: int, env: Apply, keep_context: bool
+) -> tuple[Replica, bytes]:
+    """Segments decoded on the host (:func:`downlink.apply_segments`, the reference); the result crosses once."""
+    assert base.anchor is not None and base.counts is not None
+    place = env.placement
+    anchor_host = place.replica_on_host(base, "anchor")
+    counts_host = place.replica_on_host(base, "counts")
+    recent = base.recent if base.depth else None
+    start = downlink.Replica(
+        torch.from_numpy(anchor_host), base.anchor_version, torch.from_numpy(counts_host), base.version,
+        recent, base.version if recent is not None else -1, base.depth if recent is not None else 0,
+    )  # fmt: skip
+    after, x = downlink.apply_segments(start, segments, entropy.blocks_of(env.spec.sizes), limit)
+    x_host = x.numpy()  # new arrays: on the CPU the device tensors below are these
+    if after.anchor is start.anchor:
+        anchor, anchor_checksum, anchor_on_host = base.anchor, base.anchor_checksum, anchor_host
+    else:
+        anchor_on_host = after.anchor.numpy()
+        anchor, anchor_checksum = place.to_device(anchor_on_host), crc32(anchor_on_host)
+    counts_after = after.counts.numpy()
+    replica = Replica(
+        after.version, place.to_device(x_host), crc32(x_host), anchor, after.anchor_version, anchor_checksum,
+        place.to_device(counts_after), 1.0 if segments[-1].refresh else segments[-1].decay, segments[-1].step,
+        after.recent if keep_context else None, after.depth if keep_context else 0,
+        host={"x": x_host, "anchor": anchor_on_host, "counts": counts_after},
+    )  # fmt: skip
+    undo = b""
+    seg = segments[0]
+    if len(segments) == 1 and not seg.refresh:  # what it takes to go back, should the reply be lost
+        if seg.levels:
+            undo = b"L" + bytes([seg.levels]) + seg.payload
+        elif not seg.context:
+            undo = b"C" + seg.payload
+        else:  # its decoder needs a context the replica no longer holds: keep the trits
+            trits = torch.from_numpy(counts_after - counts_host.astype(np.int32) + 1).to(torch.uint8)
+            undo = b"T" + codec.encode_levels(trits, 3).numpy().tobytes()
+    return replica, undo
+
+
+def _undo(replica: Replica, node: NodeState, env: Apply) -> Replica:
+    """The replica as it was before the node's last catch-up (same anchor): C minus that catch-up's counts.
+
+    Only its anchor and counts are used (the segments that follow compute x).
+    """
+    assert replica.anchor is not None
+    d, kind, data = env.d, node.undo[:1], node.undo[1:]
+    if kind == b"C":  # the coded counts as received
+        taken = entropy.decode(data, d, entropy.blocks_of(env.spec.sizes))
+    elif kind == b"L":  # one Δ as its packed levels
+        taken = downlink.decode_segment(downlink.Segment(0, 1.0, 0.0, False, False, data[1:], data[0]), d, [d], None)
+    else:  # b"T": one Δ as packed trits
+        taken = codec.decode_levels(data, 3, d).sub_(1).numpy()
+    counts = env.placement.replica_on_host(replica, "counts").astype(np.int32) - taken
+    return Replica(
+        node.previous, replica.anchor, -1, replica.anchor, replica.anchor_version, replica.anchor_checksum,
+        env.placement.to_device(counts),
+        host={"anchor": env.placement.replica_on_host(replica, "anchor"), "counts": counts},
     )  # fmt: skip
 
 
-def _undo(replica: downlink.Replica, state: ReplicaState, spec: ModelSpec) -> downlink.Replica:
-    """The replica as it was before its last catch-up (same anchor): C minus that catch-up's counts."""
-    d, kind, data = spec.d, state.undo[:1], state.undo[1:]
-    if kind == b"C":  # the coded counts as received
-        taken = torch.from_numpy(entropy.decode(data, d, entropy.blocks_of(spec.sizes)))
-    else:  # b"T": one Δ as packed trits
-        taken = codec.decode_levels(data, 3, d).sub_(1)
-    counts = replica.counts - taken.to(replica.counts.device, torch.int32)
-    return downlink.Replica(replica.anchor, replica.anchor_version, counts, state.previous)
+# --------------------------------------------------------------------------- the chain and the seed
+def _apply_deltas(content: RecordDict, base: Replica, env: Apply, *, skip: int) -> Replica:
+    """X ← x − lr·(Δ + wd·x) for each received Δ after the first ``skip`` (those x already has), into a new replica."""
+    round_config, d, node_id = content[CONFIG], env.d, env.node_id
+    sizes = scale_sizes(env.spec.sizes, round_config, node_id)
+    arr = content[BROADCAST]["payload"]
+    if arr.stype != LEVELS_STYPE:
+        raise ClientStateError(f"node {node_id}: update stype {arr.stype!r}, expected {LEVELS_STYPE!r}")
+    data = arr.data
+    scales = list(round_config.get("scales", []))
+    steps = _check_steps(round_config, node_id)
+    if scales and len(scales) != len(steps) * len(sizes):
+        raise ClientStateError(f"node {node_id}: {len(scales)} scales for {len(steps)} Δs of {len(sizes)} scales each")
+    if not all(isinstance(s, float | int) and 0.0 <= s <= SCALE_LIMIT for s in scales):  # also refuses nan
+        bad = next(s for s in scales if not (isinstance(s, float | int) and 0.0 <= s <= SCALE_LIMIT))
+        raise ClientStateError(f"node {node_id}: a Δ scale is {bad!r}, outside [0, {SCALE_LIMIT:g}]: refused")
+    version = int(round_config["version"])
+    if version - int(round_config["base-version"]) != len(steps):
+        base_version = round_config["base-version"]
+        raise ClientStateError(f"node {node_id}: {len(steps)} Δs from version {base_version} to {version}")
+    sizes_total = sum(codec.encoded_size(d, n) for n, _, _ in steps)
+    if sizes_total != len(data):
+        raise ClientStateError(f"node {node_id}: update has {len(data)} bytes, its Δs use {sizes_total}")
+    key = ("deltas", base.ident, skip, tuple(steps), tuple(scales), tuple(sizes), len(data), zlib.crc32(data))
+    made = env.pool.made(key)
+    if made is not None:
+        return made[0]
+    buf = env.placement.bytes_to_device(data)  # packed bytes go to the device
+    x = env.pool.buffer(base.x).copy_(base.x)
+    offset = 0
+    for i, (num_levels, lr, wd) in enumerate(steps):
+        size = codec.encoded_size(d, num_levels)
+        narrow = num_levels <= 256 and not scales  # bytes: a quarter of int32's memory; apply_levels_ reads them
+        try:
+            levels = codec.decode_levels(
+                buf[offset : offset + size], num_levels, d, torch.uint8 if narrow else torch.int32
+            )
+        except ValueError as err:
+            raise ClientStateError(f"node {node_id}: Δ {i + 1} of {len(steps)} does not decode: {err}") from err
+        s = None
+        if scales:
+            s = torch.tensor(scales[i * len(sizes) : (i + 1) * len(sizes)], dtype=torch.float32, device=x.device)
+        if i >= skip:  # x ← x − lr·(Δ + wd·x), as the server applied it
+            quantizers.apply_delta_(x, levels, num_levels, s, sizes, lr, wd)
+        offset += size
+    return env.pool.add(env.placement.new_replica(x, version), key, b"")
 
 
-def _zeros(d: int, device: torch.device) -> torch.Tensor:
-    return torch.zeros(d, dtype=torch.int32, device=device)
+def _seeded(round_config: dict, env: Apply, *, anchored: bool) -> tuple[Replica, dict[str, torch.Tensor]]:
+    """The replica at x₀ built from the server's seed (checked against the server's checksum), and the rest₀."""
+    node_id = env.node_id
+    if env.seed_fn is None:
+        raise ClientStateError(f"node {node_id}: the server sent a seed, but this client cannot build x₀ from one")
+    seed = int(round_config["init-seed"])
+    x0, rest0 = env.seed_fn(seed)
+    mine = state_checksum(x0, rest0)
+    if x0.size != env.d or mine != int(round_config["init-checksum"]):
+        raise ClientStateError(
+            f"node {node_id}: {SEED_MISMATCH} {round_config['init-seed']} has checksum {mine}, the server's is "
+            f"{round_config['init-checksum']} (a different torch version?); the server will send the full model"
+        )
+    rest = {k: env.placement.to_device(v.copy()) for k, v in rest0.items()}
+    if anchored:
+        return _anchor_replica(x0, 0, env), rest
+    checksum = crc32(x0)
+    replica = env.pool.find((0, checksum, 0, 0))
+    if replica is None:
+        replica = env.pool.add(Replica(0, env.placement.to_device(x0.copy()), checksum, host={"x": x0}))
+    return replica, rest
 
 
-def _full_x(content: RecordDict, d: int, node_id: int) -> torch.Tensor:
-    """The float32 model (or anchor) of a full message, checked."""
+# --------------------------------------------------------------------------- reading the message
+def _full_x(content: RecordDict, d: int, node_id: int) -> np.ndarray:
+    """The float32 model (or anchor) of a full message, checked (a host array)."""
     payload = content[BROADCAST]["payload"].numpy()
     if payload.shape != (d,) or payload.dtype != np.float32:
         raise ClientStateError(
@@ -179,11 +375,11 @@ def _full_x(content: RecordDict, d: int, node_id: int) -> torch.Tensor:
         )
     if not np.isfinite(payload).all():
         raise ClientStateError(f"node {node_id}: the full model has non-finite values: refused")
-    return torch.from_numpy(payload.copy())
+    return payload
 
 
 def _segments(content: RecordDict, round_config: dict, node_id: int) -> list[downlink.Segment]:
-    """The count segments of an anchored message, with their decay and step checked."""
+    """The count segments of an anchored message, with their decay, step and levels checked."""
     if BROADCAST not in content or "counts" not in content[BROADCAST]:
         raise ClientStateError(f"node {node_id}: an anchored message without its counts")
     arr = content[BROADCAST]["counts"]
@@ -192,16 +388,19 @@ def _segments(content: RecordDict, round_config: dict, node_id: int) -> list[dow
     data = arr.data
     keys = ("segment-end", "segment-decay", "segment-step", "segment-refresh", "segment-context", "segment-bytes")
     rows = list(zip(*(round_config[k] for k in keys), strict=True))
+    levels = list(round_config.get("segment-levels", [0] * len(rows)))
+    if len(levels) != len(rows) or any(n not in (0, 2, 3) for n in levels):
+        raise ClientStateError(f"node {node_id}: segment levels {levels} (0, 2 or 3 for each of {len(rows)}): refused")
     if sum(int(r[-1]) for r in rows) != len(data) or not rows:
         raise ClientStateError(f"node {node_id}: counts payload has {len(data)} bytes, its segments say otherwise")
     out, offset = [], 0
-    for end, decay, step, refresh, context, nbytes in rows:
+    for (end, decay, step, refresh, context, nbytes), num_levels in zip(rows, levels, strict=True):
         if not (math.isfinite(decay) and math.isfinite(step) and 0.0 < decay <= 1.0 and step >= 0.0):
             raise ClientStateError(
                 f"node {node_id}: a segment with decay {decay!r} and step {step!r} (0 < decay <= 1, step >= 0): refused"
             )
         out.append(downlink.Segment(int(end), float(decay), float(step), bool(refresh), bool(context),
-                                    bytes(data[offset : offset + nbytes])))  # fmt: skip
+                                    bytes(data[offset : offset + nbytes]), int(num_levels)))  # fmt: skip
         offset += nbytes
     return out
 
@@ -212,8 +411,9 @@ def _check_layout(round_config: dict, spec: ModelSpec, node_id: int) -> None:
         raise ClientStateError(f"node {node_id}: server model layout {round_config['layout']} != client's {ours}")
 
 
-def _received_rest(content: RecordDict, spec: ModelSpec, device: torch.device, node_id: int) -> dict[str, torch.Tensor]:
-    """The frozen parameters and buffers of a full model, checked against the spec."""
+def _received_rest(content: RecordDict, env: Apply) -> dict[str, torch.Tensor]:
+    """The frozen parameters and buffers of a full model, checked against the spec, on the device."""
+    spec, node_id = env.spec, env.node_id
     if not spec.rest:
         return {}
     record = content[REST] if REST in content else None
@@ -230,63 +430,8 @@ def _received_rest(content: RecordDict, spec: ModelSpec, device: torch.device, n
             raise ClientStateError(f"node {node_id}: {e.name!r} has shape {a.shape}, the model's is {e.shape}")
         if a.dtype.kind in "fc" and not np.isfinite(a).all():
             raise ClientStateError(f"node {node_id}: {e.name!r} has non-finite values")
-        rest[e.name] = torch.from_numpy(a.copy()).to(device)
+        rest[e.name] = env.placement.to_device(a)
     return rest
-
-
-def _seeded_state(
-    round_config: dict, spec: ModelSpec, device: torch.device, node_id: int, seed_fn: SeedFn | None
-) -> ReplicaState:
-    """x₀ (and the rest) built from the server's seed, checked against the server's checksum."""
-    if seed_fn is None:
-        raise ClientStateError(f"node {node_id}: the server sent a seed, but this client cannot build x₀ from one")
-    x0, rest0 = seed_fn(int(round_config["init-seed"]))
-    mine = state_checksum(x0, rest0)
-    if x0.numel() != spec.d or mine != int(round_config["init-checksum"]):
-        raise ClientStateError(
-            f"node {node_id}: {SEED_MISMATCH} {round_config['init-seed']} has checksum {mine}, the server's is "
-            f"{round_config['init-checksum']} (a different torch version?); the server will send the full model"
-        )
-    return ReplicaState(
-        x0.to(device), torch.zeros(spec.d, device=device), 0, rest={k: v.to(device) for k, v in rest0.items()}
-    )
-
-
-def _apply_deltas(
-    content: RecordDict, state: ReplicaState, spec: ModelSpec, device: torch.device, node_id: int, *, skip: int
-) -> None:
-    """X ← x − lr·(Δ + wd·x) for each received Δ after the first ``skip`` (those x already has)."""
-    round_config, d = content[CONFIG], spec.d
-    sizes = scale_sizes(spec.sizes, round_config, node_id)
-    arr = content[BROADCAST]["payload"]
-    if arr.stype != LEVELS_STYPE:
-        raise ClientStateError(f"node {node_id}: update stype {arr.stype!r}, expected {LEVELS_STYPE!r}")
-    buf = codec.as_uint8(arr.data).to(device)  # packed bytes go to the device
-    scales = list(round_config.get("scales", []))
-    steps = _check_steps(round_config, node_id)
-    if scales and len(scales) != len(steps) * len(sizes):
-        raise ClientStateError(f"node {node_id}: {len(scales)} scales for {len(steps)} Δs of {len(sizes)} scales each")
-    if not all(isinstance(s, float | int) and 0.0 <= s <= SCALE_LIMIT for s in scales):  # also refuses nan
-        bad = next(s for s in scales if not (isinstance(s, float | int) and 0.0 <= s <= SCALE_LIMIT))
-        raise ClientStateError(f"node {node_id}: a Δ scale is {bad!r}, outside [0, {SCALE_LIMIT:g}]: refused")
-    offset = 0
-    for i, (num_levels, lr, wd) in enumerate(steps):
-        size = codec.encoded_size(d, num_levels)
-        narrow = num_levels <= 256 and not scales  # bytes: a quarter of int32's memory; apply_levels_ reads them
-        try:
-            levels = codec.decode_levels(
-                buf[offset : offset + size], num_levels, d, torch.uint8 if narrow else torch.int32
-            )
-        except ValueError as err:
-            raise ClientStateError(f"node {node_id}: Δ {i + 1} of {len(steps)} does not decode: {err}") from err
-        s = None
-        if scales:
-            s = torch.tensor(scales[i * len(sizes) : (i + 1) * len(sizes)], dtype=torch.float32, device=device)
-        if i >= skip:  # x ← x − lr·(Δ + wd·x), as the server applied it
-            quantizers.apply_delta_(state.x, levels, num_levels, s, sizes, lr, wd)
-        offset += size
-    if offset != buf.numel():
-        raise ClientStateError(f"node {node_id}: update has {buf.numel()} bytes, its Δs use {offset}")
 
 
 def scale_sizes(sizes: list[int], round_config: dict, node_id: int) -> list[int]:

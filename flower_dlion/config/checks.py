@@ -78,6 +78,10 @@ def _check_ranges(cfg: dict[str, Any]) -> None:
         raise ValueError(f"run-config 'fraction-train' must be in (0, 1], got {cfg['fraction-train']}")
     if cfg["alpha"] <= 0:
         raise ValueError(f"run-config 'alpha' must be > 0, got {cfg['alpha']}")
+    if cfg["max-resident"] < -1:
+        raise ValueError(f"run-config 'max-resident' must be >= -1 (-1: automatic, 0: none), got {cfg['max-resident']}")
+    if not (math.isfinite(cfg["link-mbps"]) and cfg["link-mbps"] >= 0):
+        raise ValueError(f"run-config 'link-mbps' must be a finite number >= 0 (0: unknown), got {cfg['link-mbps']}")
     if not 0 <= cfg["broadcast-bits"] <= 8:
         raise ValueError(
             f"run-config 'broadcast-bits' must be in [0, 8] (0: exact levels), got {cfg['broadcast-bits']}"

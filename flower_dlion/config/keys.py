@@ -226,6 +226,21 @@ GROUPS: dict[str, Group] = {
                     "once per round)"
                 ),
             ),
+            "max-resident": Key(
+                -1,
+                (
+                    "D-Lion family: nodes whose state a client process keeps on its device between messages; "
+                    "-1: as many as fit in a quarter of the device's memory, 0: none"
+                ),
+            ),
+            "link-mbps": Key(
+                0.0,
+                (
+                    "D-Lion family: the clients' downlink in Mbit/s; they ask for Δs coded with the two before "
+                    "them as context (~20 % fewer bytes down) while the decode takes less time than the bytes "
+                    "saved; 0: unknown, never"
+                ),
+            ),
         },
     ),
     "faults": Group(
@@ -317,6 +332,8 @@ _CHOICES = {
 DLION_STRATEGIES = ("dlion-vote", "dlion-mean", "signsgd-vote")
 # Keys that only the Distributed Lion family reads; their defaults turn them off.
 DLION_ONLY = (
+    "max-resident",
+    "link-mbps",
     "client-state-dir",
     "state-in-context",
     "momentum-dtype",

@@ -238,6 +238,8 @@ class DownlinkMessages(ServerModelStrategy):
                     "segment-bytes": [len(s.payload) for s in segments],
                 }
             )
+            if any(s.levels for s in segments):  # a single Δ as its packed levels (2 or 3), 0: entropy-coded
+                round_config["segment-levels"] = [s.levels for s in segments]
             data = b"".join(s.payload for s in segments)
             records["counts"] = Array(dtype="coded", shape=(len(data),), stype=CODED_STYPE, data=data)
         content = RecordDict({CONFIG: round_config})

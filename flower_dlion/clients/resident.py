@@ -1,0 +1,275 @@
+"""What a client keeps on its compute device between messages: each node's own state, and replicas shared by version.
+
+Device side: tensors on the client's device (host arrays come and go through :mod:`.placement`).
+
+A node's state splits in two (:class:`NodeState`):
+
+* what is its own: the Lion momentum m, the error-feedback residual e, its buffers, what undoes
+  its last catch-up;
+* its :class:`Replica`: x at its version (and, with the anchored downlink, the anchor xₐ and the
+  counts C since it). Every node at the same version holds the same replica, bit for bit (the
+  server checks each reply's checksum of x), so a process that serves several nodes (Flower's
+  simulation runs many virtual nodes in each worker) holds it once: the :class:`ReplicaPool`
+  gives the replica a message makes to every node that receives the same message at the same
+  version, and the second node does not decode or compute it again.
+
+A replica is never changed in place: a message makes a new one, into the buffers of a replica
+no node holds any more (a fresh 4-byte tensor per parameter costs page faults on the CPU, about
+as much as the arithmetic). :class:`Residents` keeps the nodes' states between their messages,
+up to a memory budget (least recently used out first); the persisted copy (:mod:`.state`) is
+what a node starts from when its resident state is gone or no longer current.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["NodeState", "Replica", "ReplicaPool", "Residents", "device_memory"]
+
+logger = logging.getLogger("flower_dlion")
+
+Ident = tuple[int, int, int, int]  # version, checksum of x, anchor version, checksum of the anchor
+
+
+@dataclass(eq=False)
+class Replica:
+    """x at one version, as every node at that version holds it: shared, never changed in place."""
+
+    version: int
+    x: torch.Tensor  # float32 (d,), on the device
+    checksum: int  # CRC-32 of x
+    anchor: torch.Tensor | None = None  # xₐ (anchored downlink), float32 (d,)
+    anchor_version: int = 0
+    anchor_checksum: int = 0
+    counts: torch.Tensor | None = None  # C since the anchor, int32 (d,)
+    decay: float = 1.0  # γ of x at ``version``
+    step: float = 0.0  # η
+    recent: np.ndarray | None = None  # host: the coder context of the two last Δs at ``version`` (uint8)
+    depth: int = 0  # how many of those Δs ``recent`` holds (2: a Δ coded with it can be decoded)
+    host: dict[str, np.ndarray] = field(default_factory=dict, repr=False)  # host copies made so far (x, anchor, counts)
+
+    @property
+    def ident(self) -> Ident:
+        """What the replica is: its version, x's checksum and its anchor's."""
+        return (self.version, self.checksum, self.anchor_version, self.anchor_checksum)
+
+    def nbytes(self) -> int:
+        """Bytes on the device (the anchor counted whole, although replicas of one epoch share it)."""
+        return sum(t.numel() * t.element_size() for t in (self.x, self.anchor, self.counts) if t is not None)
+
+
+@dataclass(eq=False)
+class NodeState:
+    """One node's state on the device: its own arrays and the replica it is at."""
+
+    replica: Replica
+    m: torch.Tensor  # Lion momentum, float32 (d,)
+    error: torch.Tensor | None = None  # error-feedback residual (upload "ef-sign"), float32 (d,)
+    rest: dict[str, torch.Tensor] = field(default_factory=dict)  # frozen parameters and buffers, by name
+    round: int = 0  # the server round whose train message left the node in this state
+    previous: int = -1  # the version before the last catch-up (-1: none)
+    undo: bytes = b""  # that catch-up's counts, to take it back should its reply be lost (.replica)
+    stamp: str = ""  # the stamp of the persisted copy this state is (clients.state)
+    pending: concurrent.futures.Future | None = None  # the background write of that copy
+
+    @property
+    def version(self) -> int:
+        """The replica's version: Δs applied to x since the start."""
+        return self.replica.version
+
+    def nbytes(self) -> int:
+        """Bytes of the node's own tensors (not its replica's)."""
+        own = [self.m, self.error, *self.rest.values()]
+        return sum(t.numel() * t.element_size() for t in own if t is not None) + len(self.undo)
+
+    def wait(self) -> None:
+        """Wait for this state's background write (a failed write is logged, the next load finds the older copy)."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            try:
+                pending.result()
+            except Exception as err:
+                logger.warning("flower-dlion: a state file could not be written (%r): the node's older copy stays", err)
+
+
+class ReplicaPool:
+    """The replicas of one device in this process, found by what made them or by what they are.
+
+    Parameters
+    ----------
+    keep : int (default: 1)
+        Replicas no node holds that are kept anyway (the newest): a node whose message comes
+        after another's finds the replica that one made, also where no state stays resident.
+
+    """
+
+    def __init__(self, keep: int = 1) -> None:
+        self.keep = keep
+        self._replicas: OrderedDict[Ident, Replica] = OrderedDict()  # least recently made first
+        self._made_by: dict[Any, tuple[Ident, bytes]] = {}  # what made it (a message applied to a replica) → it, a note
+        self._holders: dict[Ident, int] = {}
+        self._free: dict[tuple[torch.device, torch.dtype, int], list[torch.Tensor]] = {}
+        self.hits = 0  # replicas found made, for benchmarks
+
+    def find(self, ident: Ident) -> Replica | None:
+        """The replica that is ``ident``, if this process holds it."""
+        return self._replicas.get(ident)
+
+    def anchor(self, version: int, checksum: int) -> torch.Tensor | None:
+        """The anchor tensor of that version and checksum, if a replica here has it (replicas of one epoch share it)."""
+        for replica in self._replicas.values():
+            if replica.anchor is not None and (replica.anchor_version, replica.anchor_checksum) == (version, checksum):
+                return replica.anchor
+        return None
+
+    def made(self, key: Any) -> tuple[Replica, bytes] | None:
+        """The replica made by ``key`` before, if it is still here, and the note kept with it."""
+        ident, note = self._made_by.get(key, (None, b""))
+        replica = None if ident is None else self._replicas.get(ident)
+        if replica is None:
+            return None
+        self.hits += 1
+        return replica, note
+
+    def add(self, replica: Replica, key: Any = None, note: bytes = b"") -> Replica:
+        """Keep ``replica`` (made by ``key``, with a ``note``); the one already here if it is the same replica."""
+        kept = self._replicas.get(replica.ident)
+        if kept is None:
+            self._replicas[replica.ident] = kept = replica
+        elif replica.depth > kept.depth:  # the same x, with more of the coder's context
+            kept.recent, kept.depth = replica.recent, replica.depth
+        if kept is not replica:
+            self.recycle(replica)
+        if key is not None:
+            self._made_by[key] = (kept.ident, note)
+        self._trim()
+        return kept
+
+    def hold(self, replica: Replica) -> None:
+        """A node holds ``replica`` (it stays until released)."""
+        self._holders[replica.ident] = self._holders.get(replica.ident, 0) + 1
+
+    def release(self, replica: Replica) -> None:
+        """A node no longer holds ``replica``."""
+        left = self._holders.get(replica.ident, 0) - 1
+        if left > 0:
+            self._holders[replica.ident] = left
+        else:
+            self._holders.pop(replica.ident, None)
+        self._trim()
+
+    def buffer(self, like: torch.Tensor) -> torch.Tensor:
+        """An uninitialized tensor like ``like``: a dropped replica's buffer when there is one."""
+        free = self._free.get((like.device, like.dtype, like.numel()))
+        return free.pop() if free else torch.empty_like(like)
+
+    def give(self, t: torch.Tensor) -> None:
+        """Take back a buffer from :meth:`buffer` that is no longer used."""
+        free = self._free.setdefault((t.device, t.dtype, t.numel()), [])
+        if len(free) < 2 and all(t is not f for f in free):
+            free.append(t)
+
+    def recycle(self, replica: Replica) -> None:
+        """Reuse the buffers of a replica no one holds (its x and counts are its own; anchors are shared)."""
+        for t in (replica.x, replica.counts):
+            if t is not None:
+                self.give(t)
+
+    def nbytes(self) -> int:
+        """Bytes of the replicas kept (an anchor shared by several counted once)."""
+        anchors = {id(r.anchor): r.anchor for r in self._replicas.values() if r.anchor is not None}
+        tensors = [t for r in self._replicas.values() for t in (r.x, r.counts) if t is not None]
+        own = sum(t.numel() * t.element_size() for t in tensors)
+        return own + sum(a.numel() * a.element_size() for a in anchors.values())
+
+    def __len__(self) -> int:
+        return len(self._replicas)
+
+    def _trim(self) -> None:
+        """Drop the oldest replicas no node holds beyond ``keep``."""
+        unheld = [i for i in self._replicas if i not in self._holders]
+        for ident in unheld[: max(0, len(unheld) - self.keep)]:
+            self.recycle(self._replicas.pop(ident))
+        if len(self._made_by) > 4 * len(self._replicas) + 16:
+            self._made_by = {k: v for k, v in self._made_by.items() if v[0] in self._replicas}
+
+
+class Residents:
+    """The nodes' states kept on the device between their messages, least recently used out first.
+
+    Parameters
+    ----------
+    pool : ReplicaPool
+        Where their replicas are.
+    max_nodes : int | None
+        At most this many nodes (None: no count limit; 0: none kept).
+    max_bytes : int
+        At most this many bytes of the nodes' own tensors. An evicted node's persisted copy is
+        current (it is written every round): its next message starts from it.
+
+    """
+
+    def __init__(self, pool: ReplicaPool, max_nodes: int | None, max_bytes: int) -> None:
+        self.pool = pool
+        self.max_nodes = max_nodes
+        self.max_bytes = max_bytes
+        self._nodes: OrderedDict[str, tuple[NodeState, Replica]] = OrderedDict()  # the state, the replica it holds
+
+    def get(self, owner: str) -> NodeState | None:
+        """The resident state of ``owner`` (its background write finished), or None."""
+        entry = self._nodes.get(owner)
+        if entry is None:
+            return None
+        entry[0].wait()
+        self._nodes.move_to_end(owner)
+        return entry[0]
+
+    def put(self, owner: str, node: NodeState) -> None:
+        """Keep ``node`` as ``owner``'s state (its replica held), then trim to the budget."""
+        self.pool.hold(node.replica)
+        old = self._nodes.pop(owner, None)
+        if old is not None:
+            if old[0] is not node:
+                old[0].wait()
+            self.pool.release(old[1])
+        self._nodes[owner] = (node, node.replica)
+        while self._nodes and (
+            self.nbytes() > self.max_bytes or (self.max_nodes is not None and len(self._nodes) > self.max_nodes)
+        ):
+            self.drop(next(iter(self._nodes)))
+
+    def drop(self, owner: str) -> None:
+        """Forget ``owner``'s resident state (after its background write)."""
+        entry = self._nodes.pop(owner, None)
+        if entry is not None:
+            entry[0].wait()
+            self.pool.release(entry[1])
+
+    def owners(self) -> list[str]:
+        """Whose states are resident, least recently used first."""
+        return list(self._nodes)
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def nbytes(self) -> int:
+        """Bytes of the resident nodes' own tensors."""
+        return sum(node.nbytes() for node, _ in self._nodes.values())
+
+
+def device_memory(device: torch.device) -> int:
+    """Bytes of memory on ``device`` (the host's physical memory for the CPU)."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30

@@ -1,0 +1,84 @@
+"""Test helpers: a node's persisted state as CPU tensors, and what a client makes of a message."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from flwr.app import Context, RecordDict
+
+from flower_dlion.clients.placement import Placement
+from flower_dlion.clients.replica import Apply, apply_message
+from flower_dlion.clients.resident import NodeState, Replica, ReplicaPool
+from flower_dlion.clients.state import HostState, crc32, load_state, read_state_header
+from flower_dlion.params import ModelSpec
+
+CPU = torch.device("cpu")
+
+
+@dataclass
+class View:
+    """A node's state as stored in its context, as CPU tensors (m in float32)."""
+
+    x: torch.Tensor
+    m: torch.Tensor
+    version: int
+    round: int
+    error: torch.Tensor | None
+    anchor: torch.Tensor | None
+    counts: torch.Tensor | None
+    previous: int
+    undo: bytes
+    host: HostState
+
+
+def load(context: Context) -> View | None:
+    """The node's state in ``context.state`` (None: none)."""
+    host = load_state(context)
+    if host is None:
+        return None
+    assert host.x is not None
+    m = torch.from_numpy(host.m.copy())
+    if host.m_dtype == "bfloat16":
+        m = m.view(torch.int16).view(torch.bfloat16).float()
+    counts = None if host.counts is None else torch.from_numpy(host.counts.astype(np.int32))
+    return View(
+        torch.from_numpy(host.x.copy()), m, host.version, host.round,
+        None if host.error is None else torch.from_numpy(host.error.copy()),
+        None if host.anchor is None else torch.from_numpy(host.anchor.copy()), counts,
+        host.previous, host.undo, host,
+    )  # fmt: skip
+
+
+def node_at(x: np.ndarray, version: int = 0, m: torch.Tensor | None = None) -> NodeState:
+    """A node whose replica is ``x`` (the chain downlink's form) at ``version``."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    replica = Replica(version, torch.from_numpy(x.copy()), crc32(x))
+    return NodeState(replica, torch.zeros(x.size) if m is None else m)
+
+
+def apply(content: RecordDict, node: NodeState | None, spec: ModelSpec, node_id: int = 1) -> NodeState:
+    """The node after the client applies ``content`` (a train message's) on the CPU."""
+    return apply_message(content, node, Apply(Placement(CPU), ReplicaPool(), spec, node_id))
+
+
+def replica_after(content: RecordDict, context: Context, spec: ModelSpec, node_id: int) -> torch.Tensor:
+    """The x a client whose state is in ``context`` holds after applying ``content``."""
+    host = load_state(context)
+    pool, placement = ReplicaPool(), Placement(CPU)
+    node = None if host is None else placement.host_to_node(host, pool)
+    return apply_message(content, node, Apply(placement, pool, spec, node_id)).replica.x
+
+
+def newest_file(folder: Path) -> Path:
+    """A node's state file of the highest round in ``folder`` (its slots and kept rounds)."""
+    files = [(int((read_state_header(p) or {"round": -1})["round"]), p) for p in folder.glob("*.state")]
+    assert files, f"no state file in {folder}"
+    return max(files)[1]
+
+
+def rounds_in(folder: Path) -> list[int]:
+    """The rounds of the state files in ``folder``, ascending."""
+    return sorted(int((read_state_header(p) or {"round": -1})["round"]) for p in folder.glob("*.state"))
