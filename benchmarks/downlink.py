@@ -1,6 +1,6 @@
 """Issue 38's table: up and down bits per parameter per reply under partial participation, before and after.
 
-    .venv/bin/python benchmarks/downlink.py run [--clients 10 50 100 1000] [--rounds 200] [--seeds 0]
+    .venv/bin/python benchmarks/downlink.py run [--clients 10 50 100 1000] [--rounds 200] [--seeds 0] [--modes ...]
     .venv/bin/python benchmarks/downlink.py report          # the table from the saved runs, into docs/RESULTS.md
     .venv/bin/python benchmarks/downlink.py speed [--d 11000000]   # coding an 11M-value catch-up
 
@@ -11,7 +11,11 @@ runs from the same seed:
 * **before**: ``downlink = "chain"`` (a client that missed k rounds gets the k packed Δs, or
   the float32 model when that is smaller; the decay applied every round), ``init = "full"`` for
   10 of 10 (the default before issue 38) and ``"seed"`` otherwise, as the issue measured;
-* **after**: the defaults (``downlink = "auto"`` = anchored, ``init = "seed"``).
+* **after**: the anchored downlink (``downlink = "auto"``, ``init = "seed"``) with every in-sync
+  client's Δ coded with the two before it as context, as issue 38 measured it (since issue 48
+  that is what a client on a slow link asks for: ``link-mbps = 0.001`` here);
+* **packed** (``--modes packed``): issue 48's defaults, the in-sync Δ as its packed levels (the
+  clients' link unknown: they never ask for the context coding).
 
 Bytes come from ``results.jsonl`` (measured on the messages by the metering grid). Bits per
 parameter per reply = 8 · bytes / (d · messages), over rounds 50–200 and over the whole run;
@@ -29,6 +33,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
+import numpy as np
+
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,14 +43,19 @@ D = 281_034  # trainable parameters of the repository's CNN (flower_dlion.model.
 BEGIN, END = "<!-- downlink:begin -->", "<!-- downlink:end -->"
 
 
+MODES = ("before", "after", "packed")
+
+
 def _config(clients: int, mode: str, rounds: int, seed: int) -> dict:
     cfg = {"num-server-rounds": rounds, "fraction-train": min(1.0, 10 / clients), "seed": seed, "eval-every": rounds}
     if mode == "before":
         cfg |= {"downlink": "chain", "init": "full" if clients == 10 else "seed"}
+    elif mode == "after":
+        cfg |= {"link-mbps": 0.001}  # a slow link: the clients ask for every Δ coded with context
     return cfg
 
 
-def run(clients: list[int], rounds: int, seeds: list[int]) -> None:
+def run(clients: list[int], rounds: int, seeds: list[int], modes: list[str]) -> None:
     """Run every (clients, mode, seed) federation not yet saved."""
     from flower_dlion.client_app import app
     from flower_dlion.local_grid import LocalGrid
@@ -55,7 +66,7 @@ def run(clients: list[int], rounds: int, seeds: list[int]) -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     for n in clients:
         for seed in seeds:
-            for mode in ("before", "after"):
+            for mode in modes:
                 path = OUT / f"n{n}-{mode}-s{seed}-r{rounds}.json"
                 if path.exists():
                     continue
@@ -98,7 +109,7 @@ def report() -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for n, rounds in keys:
-        for mode in ("before", "after"):
+        for mode in MODES:
             rs = [r for r in runs if (r["clients"], r["rounds"], r["mode"]) == (n, rounds, mode)]
             if not rs:
                 continue
@@ -164,6 +175,32 @@ def speed(d: int) -> None:
             assert np.array_equal(entropy.decode(coded, d, ends, context, 9), counts)
             t2 = time.perf_counter()
             print(f"| 1, 9 contexts | {8 * len(coded) / d:.2f} | {t1 - t0:.3f} | {t2 - t1:.3f} | | |")
+            packed = packed_step(counts, d)
+    print()
+    print(
+        "A Δ as its packed levels (issue 48): C' = C + L and x' = γ·xₐ − η·C' in one step on the CPU "
+        f"(`downlink.step_counts`), median of 5: {packed * 1e3:.1f} ms, against the context decode above "
+        "(its decode alone; the counts and x come on top)."
+    )
+
+
+def packed_step(signs: np.ndarray, d: int) -> float:
+    """Seconds (median of 5) of applying one Δ given as packed trits to an anchor and counts of d values."""
+    import time
+
+    import torch
+
+    from flower_dlion import codec, downlink
+
+    packed = codec.encode_levels(torch.from_numpy(signs + 1), 3)
+    anchor, counts = torch.randn(d), torch.zeros(d, dtype=torch.int32)
+    out = (torch.empty_like(counts), torch.empty_like(anchor))
+    times = []
+    for _ in range(6):
+        t0 = time.perf_counter()
+        downlink.step_counts(anchor, counts, packed, 3, 0.999, 1e-3, out=out, scratch=torch.empty_like(anchor))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times[1:]))
 
 
 def main() -> None:
@@ -173,6 +210,7 @@ def main() -> None:
     r.add_argument("--clients", type=int, nargs="+", default=[10, 50, 100, 1000])
     r.add_argument("--rounds", type=int, default=200)
     r.add_argument("--seeds", type=int, nargs="+", default=[0])
+    r.add_argument("--modes", nargs="+", choices=MODES, default=["before", "after"])
     sub.add_parser("report")
     sp = sub.add_parser("speed")
     sp.add_argument("--d", type=int, default=11_000_000)
@@ -181,7 +219,7 @@ def main() -> None:
         speed(args.d)
         return
     if args.command == "run":
-        run(args.clients, args.rounds, args.seeds)
+        run(args.clients, args.rounds, args.seeds, args.modes)
     print(report())
 
 

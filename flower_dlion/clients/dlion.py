@@ -250,8 +250,10 @@ class DLionClient:
         return self._on(device, self._settings).bound
 
     def _on(self, device: torch.device, settings: ClientSettings) -> _Device:
-        """Everything this client holds for ``device`` (made on first use)."""
-        if device not in self._devices:
+        """Everything this client holds for ``device`` (made on first use; its residents' limit from ``settings``)."""
+        if device in self._devices:
+            self._devices[device].residents.max_nodes = settings.max_resident
+        else:
             model = self.model_fn()
             if not isinstance(model, nn.Module):
                 raise TypeError(f"model_fn must return a torch.nn.Module, got {type(model).__name__}")
