@@ -245,10 +245,6 @@ class DLionClient:
         """The settings for this node (override to read them from the run or node config)."""
         return self._settings
 
-    def binding(self, device: torch.device) -> Binding:
-        """The model object on ``device`` and its spec (built on first use)."""
-        return self._on(device, self._settings).bound
-
     def _on(self, device: torch.device, settings: ClientSettings) -> _Device:
         """Everything this client holds for ``device`` (made on first use; its residents' limit from ``settings``)."""
         if device in self._devices:

@@ -75,9 +75,9 @@ class Placement:
             replica.host[name] = self.to_host(getattr(replica, name))
         return replica.host[name]
 
-    def new_replica(self, x: torch.Tensor, version: int, **anchored: object) -> Replica:
+    def new_replica(self, x: torch.Tensor, version: int) -> Replica:
         """A replica of ``x`` (on the device) at ``version``, with its checksum (x crosses to the host once)."""
-        replica = Replica(version, x, 0, **anchored)  # type: ignore[arg-type]
+        replica = Replica(version, x, 0)
         replica.checksum = crc32(self.replica_on_host(replica, "x"))
         return replica
 

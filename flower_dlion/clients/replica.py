@@ -267,9 +267,9 @@ def _catch_up(
             undo = b"L" + bytes([seg.levels]) + seg.payload
         elif not seg.context:
             undo = b"C" + seg.payload
-        else:  # its decoder needs a context the replica no longer holds: keep the trits
+        else:  # its decoder needs a context the replica no longer holds: keep the Δ as packed trits
             trits = torch.from_numpy(counts_after - counts_host.astype(np.int32) + 1).to(torch.uint8)
-            undo = b"T" + codec.encode_levels(trits, 3).numpy().tobytes()
+            undo = b"L" + bytes([3]) + codec.encode_levels(trits, 3).numpy().tobytes()
     return replica, undo
 
 
@@ -282,10 +282,8 @@ def _undo(replica: Replica, node: NodeState, env: Apply) -> Replica:
     d, kind, data = env.d, node.undo[:1], node.undo[1:]
     if kind == b"C":  # the coded counts as received
         taken = entropy.decode(data, d, entropy.blocks_of(env.spec.sizes))
-    elif kind == b"L":  # one Δ as its packed levels
+    else:  # b"L": one Δ as its packed levels (2 or 3)
         taken = downlink.decode_segment(downlink.Segment(0, 1.0, 0.0, False, False, data[1:], data[0]), d, [d], None)
-    else:  # b"T": one Δ as packed trits
-        taken = codec.decode_levels(data, 3, d).sub_(1).numpy()
     counts = env.placement.replica_on_host(replica, "counts").astype(np.int32) - taken
     return Replica(
         node.previous, replica.anchor, -1, replica.anchor, replica.anchor_version, replica.anchor_checksum,

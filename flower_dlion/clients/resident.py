@@ -253,10 +253,6 @@ class Residents:
             entry[0].wait()
             self.pool.release(entry[1])
 
-    def owners(self) -> list[str]:
-        """Whose states are resident, least recently used first."""
-        return list(self._nodes)
-
     def __len__(self) -> int:
         return len(self._nodes)
 

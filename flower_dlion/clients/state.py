@@ -266,7 +266,7 @@ def check_state(host: HostState, expect: Expected) -> None:
         _check_array("recent", host.recent, d, (np.uint8,))
         if int(host.recent.max(initial=0)) >= CONTEXTS:
             raise StateRefused(f"its coder context has values above {CONTEXTS - 1}")
-    if host.undo[:1] not in (b"", b"C", b"T", b"L"):
+    if host.undo[:1] not in (b"", b"C", b"L"):
         raise StateRefused("its undo record is malformed")
     if crc32(host.x) != host.checksum:
         raise StateRefused(f"x's checksum is {crc32(host.x)}, it was saved with {host.checksum}")
