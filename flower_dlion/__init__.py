@@ -5,7 +5,9 @@ The public API is two classes, one per side of a Flower app:
 * :class:`DistributedLion`, the ``Strategy`` your ``ServerApp`` starts (as Flower's ``FedAvg``);
 * :class:`DLionClient`, which your ``ClientApp``'s train handler calls with its batches;
 
-and :func:`cosine_decay`, a learning-rate schedule for ``DistributedLion(lr_schedule=...)``.
+and :func:`cosine_decay`, a learning-rate schedule for ``DistributedLion(lr_schedule=...)``;
+:class:`RunStopped` is what ``DistributedLion.start`` raises when the run cannot learn (no valid
+reply for ``max_failed_rounds`` rounds in a row, or no node answered the hello).
 
 The bit codec (:mod:`flower_dlion.codec`) and the Lion math (:mod:`flower_dlion.lion`) import
 only torch and numpy; :mod:`flower_dlion.params` maps any ``nn.Module`` onto the flat vector x.
@@ -21,8 +23,9 @@ if TYPE_CHECKING:
     from .clients.dlion import ClientSettings, DLionClient
     from .lion import cosine_decay
     from .strategies.dlion import DistributedLion
+    from .strategies.run_stops import RunStopped
 
-__all__ = ["ClientSettings", "DLionClient", "DistributedLion", "__version__", "cosine_decay"]
+__all__ = ["ClientSettings", "DLionClient", "DistributedLion", "RunStopped", "__version__", "cosine_decay"]
 
 __version__ = "0.2.0"
 
@@ -30,6 +33,7 @@ _LAZY = {
     "ClientSettings": ".clients.dlion",
     "DLionClient": ".clients.dlion",
     "DistributedLion": ".strategies.dlion",
+    "RunStopped": ".strategies.run_stops",
     "cosine_decay": ".lion",
 }
 

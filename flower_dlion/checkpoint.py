@@ -26,6 +26,7 @@ RESUMABLE_KEYS = (
     "eval-every",
     "round-timeout",
     "poll-interval",
+    "max-failed-rounds",  # when to give up, not what is trained
     "state-in-context",  # where the clients keep their state, not what it is: a resumed run reads the files anyway
 )
 

@@ -43,7 +43,7 @@ class FashionMNISTClient(DLionClient):
     def settings(self, context: Context) -> ClientSettings:
         """The run config's ``device``, ``client-state-dir``, ``state-in-context``, ``momentum-dtype`` and the rest.
 
-        Also ``max-resident`` and ``link-mbps`` (0 and -1: None).
+        Also ``max-resident`` and ``link-mbps`` (0 and -1: None), and ``max-local-batches``.
 
         Also builds the run config's ``model`` from now on (a run of another model replaces the
         model objects, and the states kept on the device, of the last one).
@@ -59,6 +59,7 @@ class FashionMNISTClient(DLionClient):
             momentum_dtype=cfg["momentum-dtype"],
             max_resident=None if cfg["max-resident"] < 0 else cfg["max-resident"],
             link_mbps=cfg["link-mbps"] or None,
+            max_batches=cfg["max-local-batches"],
         )
 
 

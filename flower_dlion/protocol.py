@@ -32,7 +32,7 @@ A Δ's value is ``scale · (2k − (L−1)) / (L−1)`` for level k of L (scale 
 
 A ``query.dlion`` message (every strategy of ours, once per new node id) asks a node who it is::
 
-    server → client  "hello"  ConfigRecord  [state-key, state-round] (with state files)
+    server → client  "hello"  ConfigRecord  state-key, state-round
     client → server  "hello"  ConfigRecord  partition-id (-1: none in the node config; the node
                                             is then known by its node id), version (of the
                                             replica the node would start from, -1: none),
@@ -58,10 +58,13 @@ Client → server::
                                    a momentum-sync round: also Array "momentum", float32
     "dlion.metrics"  MetricRecord  num-examples, train-loss, version, checksum, [coin-flips]
 
-With a ``state_key`` (state files that outlive the run), train and query messages also carry ``state-key`` (the run's
-identity, kept across a resume), ``state-round`` (start from your state as of the end of
-this round: the previous round, or the checkpoint's round after a resume) and, in train
-messages, ``keep-round`` (the server's latest checkpoint: keep the state of that round on disk).
+Train and query messages carry ``state-key``, the run's identity (1 to 64 of ``A-Z a-z 0-9 _ -``:
+the strategy's ``state_key``, else a random key of its own; kept across a resume): a client
+keeps its state under it, so that two runs never share one, even with the same run id. A hello
+carries ``state-round`` (start from your state as of the end of this round). With a
+``state_key`` (state files that outlive the run) train messages also carry ``state-round`` (the
+previous round, or the checkpoint's round after a resume) and ``keep-round`` (the server's
+latest checkpoint: keep the state of that round on disk).
 
 Versions count the Δs applied to x since the start. ``checksum`` is the CRC-32 of the
 client's replica (float32 bytes) at ``version``, the point where it computed δ.
@@ -84,6 +87,7 @@ from __future__ import annotations
 import functools
 import io
 import math
+import re
 import weakref
 from collections.abc import Container, Sequence
 
@@ -114,6 +118,7 @@ __all__ = [
     "REST",
     "SEED_MISMATCH",
     "SIGN_STYPE",
+    "STATE_KEY",
     "TERNGRAD_STYPE",
     "UPLOAD",
     "USER_CONFIG",
@@ -149,6 +154,8 @@ REPLY_METRICS = ("num-examples", "train-loss", "version", "checksum")
 # coin-flips: signs sent as coin flips (exact zeros of the Lion mix); context: the version whose two last Δs
 # the client holds (the next Δ can be coded with them), a short key: it rides on every reply
 OPTIONAL_REPLY_METRICS = ("coin-flips", "context")
+STATE_KEY = re.compile(r"[A-Za-z0-9_-]{1,64}")  # a run's key names its clients' state folder: no separators, no ".."
+
 
 GRAD_CONFIG = "grad.config"
 GRAD_MODEL = "grad.model"

@@ -113,18 +113,27 @@ class Recorder:
         num_parameters: int,
         resumed_from_round: int | None,
         config: dict[str, Any],
+        status: str = "completed",
+        reason: str | None = None,
+        stopped_in_round: int | None = None,
     ) -> dict[str, Any]:
-        """The run's totals: accuracy, time, MB up and down, bytes per reply, the strategy's own ratios."""
+        """The run's totals: accuracy, time, MB up and down, bytes per reply, the strategy's own ratios.
+
+        ``status`` is "completed", or "stopped" for a run that could not learn (``reason``: the
+        strategy's ``RunStopped`` message, ``stopped_in_round``: its round; both only then).
+        """
         exchanges = self.metered.exchanges
         train = [e for e in exchanges if e.message_type == MessageType.TRAIN]
         up, down = sum(e.bytes_up for e in exchanges), sum(e.bytes_down for e in exchanges)
         replies = sum(e.num_replies - e.num_errors for e in train)
         d = num_parameters
-        summary = {
+        summary: dict[str, Any] = {
+            "status": status,
+            **({"reason": reason, "stopped_in_round": stopped_in_round} if status != "completed" else {}),
             "strategy": name,
             "eval_set": eval_set,
             "final_accuracy": self.evals.get(num_rounds),
-            "best_accuracy": max(self.evals.values()),
+            "best_accuracy": max(self.evals.values(), default=None),
             "rounds": num_rounds,
             "wall_time_s": round(self.wall(), 2),
             "eval_time_s": round(self.elapsed["eval"], 2),

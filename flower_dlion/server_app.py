@@ -8,7 +8,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
-from logging import INFO
+from logging import ERROR, INFO, WARNING
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ from .protocol import sync_prefixes
 from .results import Recorder
 from .strategies.dlion import DistributedLion
 from .strategies.global_opt import GlobalOptimizer
+from .strategies.run_stops import FailedRounds, RunStopped, reply_error
 from .strategies.scaffold import Scaffold
 
 __all__ = ["app", "build_strategy", "default_results_dir", "evaluation_set", "run_federation", "train_config"]
@@ -93,6 +94,7 @@ def build_strategy(cfg: dict[str, Any], state_key: str = "") -> Strategy:
             state_key=state_key,
             downlink=cfg["downlink"],
             anchor_every=cfg["anchor-every"],
+            max_failed_rounds=cfg["max-failed-rounds"],
             **common,
         )
     if name in ("global-lion", "global-adamw", "terngrad"):
@@ -104,6 +106,7 @@ def build_strategy(cfg: dict[str, Any], state_key: str = "") -> Strategy:
             beta1=cfg["beta1"],
             beta2=cfg["beta2"],
             momentum=cfg["momentum"],
+            max_failed_rounds=cfg["max-failed-rounds"],
             **common,
         )
     if name in FEDAVG_FAMILY:
@@ -133,6 +136,9 @@ def fedavg_family(name: str, cfg: dict[str, Any]) -> Strategy:
     · N + ½⌋ of the N connected nodes (the attackers of the fault study: the standard assumption
     that the defender knows f); MultiKrum averages the N − f best; FedTrimmedAvg trims a fraction
     ``max(0.1, byzantine-fraction)`` from each end. FedMedian needs nothing.
+
+    Every one of them drops replies with non-finite arrays and stops the run after
+    ``max-failed-rounds`` rounds in a row without a valid reply (:func:`_stops_when_failing`).
     """
     common = {
         "fraction_train": cfg["fraction-train"],
@@ -157,7 +163,66 @@ def fedavg_family(name: str, cfg: dict[str, Any]) -> Strategy:
     schedule = lr_schedule(cfg)
     if schedule is not None:
         base = _scheduled(base, schedule)
+    base = _stops_when_failing(base, cfg["max-failed-rounds"])
     return base(**kwargs, **common)
+
+
+def _non_finite_array(msg: Message) -> str | None:
+    """The first array of a reply that holds a value that is not finite (``record/array``), or None."""
+    for record_name, record in msg.content.array_records.items():
+        for array_name, array in record.items():
+            try:
+                values = array.numpy()
+            except (TypeError, ValueError):  # not a numpy array (another library's stype): the base's to judge
+                continue
+            if values.dtype.kind in "fc" and not np.isfinite(values).all():
+                return f"{record_name}/{array_name}"
+    return None
+
+
+def _stops_when_failing(base: type[FedAvg], max_failed_rounds: int) -> type[FedAvg]:
+    """``base`` that drops replies with non-finite arrays and stops after ``max_failed_rounds`` failed rounds.
+
+    A round fails when no valid reply is left (error replies and dropped ones do not count) or
+    ``base`` aggregates none (its arrays are None); at ``max_failed_rounds`` failed rounds in a row
+    (0: never) ``aggregate_train`` raises :class:`~flower_dlion.strategies.run_stops.RunStopped` naming
+    the rounds and why the replies were rejected. A round with a valid reply resets the count.
+    """
+
+    class StopsWhenFailing(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.failed_rounds = FailedRounds(max_failed_rounds)
+
+        def aggregate_train(
+            self, server_round: int, replies: Iterable[Message]
+        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+            kept: list[Message] = []
+            valid = dropped = 0
+            for msg in replies:
+                node_id = msg.metadata.src_node_id
+                if msg.has_error():
+                    self.failed_rounds.reject(node_id, reply_error(msg))
+                    kept.append(msg)  # the base logs it
+                    continue
+                bad = _non_finite_array(msg)
+                if bad is not None:
+                    why = "round %d: dropped reply from node %d: array %r has non-finite values"
+                    log(WARNING, why, server_round, node_id, bad)
+                    self.failed_rounds.reject(node_id, f"array {bad!r} has non-finite values")
+                    dropped += 1
+                    continue
+                kept.append(msg)
+                valid += 1
+            arrays, metrics = super().aggregate_train(server_round, kept)
+            account = f"{valid} valid replies ({len(kept) - valid} errors, {dropped} with non-finite arrays)"
+            if arrays is None and valid:
+                account += f", {base.__name__} aggregated none of them"
+            self.failed_rounds.outcome(server_round, valid if arrays is not None else 0, account)
+            return arrays, metrics
+
+    StopsWhenFailing.__name__ = base.__name__
+    return StopsWhenFailing
 
 
 def _knowing_the_attackers(base: type[FedAvg], fraction: float) -> type[FedAvg]:
@@ -255,6 +320,13 @@ def run_federation(grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, s
     the run config. ``resume = "<path>"`` goes on from such a file (by default into its
     folder); only ``checkpoint.RESUMABLE_KEYS`` may differ. Sampling and client batches
     are functions of (seed, round, partition), so no generator state needs saving.
+
+    A run that cannot learn stops: when the strategy raises
+    :class:`~flower_dlion.strategies.run_stops.RunStopped` (no node answered the hello usefully, or
+    ``max-failed-rounds`` rounds in a row without enough valid replies), ``summary.json`` is written
+    with ``"status": "stopped"`` and the ``"reason"``, the reason is logged at ERROR, and the
+    exception goes on (the ServerApp fails; no ``final_model.pt``). A finished run's summary has
+    ``"status": "completed"``.
     """
     cfg = read_config(run_config)
     ckpt = load_checkpoint(Path(cfg["resume"]).expanduser()) if cfg["resume"] else None
@@ -343,26 +415,39 @@ def run_federation(grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, s
             strategy.checkpoint_round = server_round  # clients may now drop older state files
         log(INFO, "[flower-dlion] round %d: checkpoint written to %s", server_round, out_dir / "checkpoint.pt")
 
-    result = strategy.start(
-        grid=metered,
-        initial_arrays=initial,
-        num_rounds=num_rounds,
-        timeout=cfg["round-timeout"],
-        train_config=train_config(cfg),
-        evaluate_fn=evaluate_fn,
-        **({"start_round": start_round, "on_round_end": on_round_end} if resumable else {}),
-    )
     d = sum(p.numel() for p in model.parameters())
-    summary = recorder.summary(
-        strategy,
-        name=cfg["strategy"],
-        eval_set=eval_name,
-        num_rounds=num_rounds,
-        num_parameters=d,
-        resumed_from_round=start_round - 1 if ckpt is not None else None,
-        config=cfg,
-    )
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+    def write_summary(**status: Any) -> dict[str, Any]:
+        """Write ``summary.json`` (``status``: how the run ended, see ``Recorder.summary``) and return it."""
+        summary = recorder.summary(
+            strategy,
+            name=cfg["strategy"],
+            eval_set=eval_name,
+            num_rounds=num_rounds,
+            num_parameters=d,
+            resumed_from_round=start_round - 1 if ckpt is not None else None,
+            config=cfg,
+            **status,
+        )
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        return summary
+
+    try:
+        result = strategy.start(
+            grid=metered,
+            initial_arrays=initial,
+            num_rounds=num_rounds,
+            timeout=cfg["round-timeout"],
+            train_config=train_config(cfg),
+            evaluate_fn=evaluate_fn,
+            **({"start_round": start_round, "on_round_end": on_round_end} if resumable else {}),
+        )
+    except RunStopped as err:
+        write_summary(status="stopped", reason=str(err), stopped_in_round=err.server_round)
+        log(ERROR, "[flower-dlion] %s: stopped in round %d: %s", cfg["strategy"], err.server_round, err)
+        log(ERROR, "[flower-dlion] wrote %s (status 'stopped') and %s", out_dir / "summary.json", recorder.path)
+        raise
+    summary = write_summary()
     if save_model:
         state = model.state_dict() if result.arrays is None else result.arrays.to_torch_state_dict()
         torch.save(state, out_dir / "final_model.pt")

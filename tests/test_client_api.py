@@ -291,7 +291,7 @@ def test_nodes_without_a_partition_id_are_known_by_their_node_id(tmp_path: Path)
     # Assert
     assert sorted(strategy._node_of) == grid.node_ids  # keyed by node id
     assert all(h["num-replies"] == 3 and h["num-rejected"] == 0 for h in strategy.history)
-    names = sorted(p.name for p in (tmp_path / "run-5").iterdir())
+    names = sorted(p.name for p in (tmp_path / strategy.run_key).iterdir())
     assert names == ["anchors"] + [f"node-{n}" for n in grid.node_ids]  # the anchors: one file per anchor, shared
 
 
@@ -321,7 +321,7 @@ def test_a_model_too_large_for_the_context_keeps_its_state_in_files(
     assert all(not grid.context(n).state for n in grid.node_ids)
     client.wait()  # the last round's files are written after the replies
     for pid in (0, 1):  # two slots a node, written in turn: rounds 2 and 3
-        assert rounds_in(tmp_path / "run-9" / f"partition-{pid}") == [2, 3]
+        assert rounds_in(tmp_path / strategy.run_key / f"partition-{pid}") == [2, 3]
     assert [h["full-syncs"] for h in strategy.history] == [2, 0, 0]
 
 

@@ -315,11 +315,11 @@ def test_a_damaged_state_file_is_refused_named_and_the_node_resyncs(
 ) -> None:
     # Prepare: 2 rounds with state files; then partition 0's file is damaged and its process restarts
     strategy, grid, client = _files_run(tmp_path, 2)
-    folder = tmp_path / "run-1" / "partition-0"
+    folder = tmp_path / strategy.run_key / "partition-0"
     for path in folder.glob("*.state"):  # both slots (rounds 1 and 2): nothing to fall back to
         damage(path)
     path = newest_file_by_name(folder)
-    client._devices[CPU].residents.drop("run-1/partition-0")  # a new process: nothing on the device
+    client._devices[CPU].residents.drop(f"{strategy.run_key}/partition-0")  # a new process: nothing on the device
     caplog.set_level(logging.WARNING, logger="flwr")
     caplog.set_level(logging.WARNING, logger="flower_dlion")
     # Execute
@@ -336,7 +336,7 @@ def test_a_damaged_state_file_is_refused_named_and_the_node_resyncs(
     ("change", "reason"),
     [
         (lambda h: h.m.__setitem__(3, np.nan), "the momentum m has non-finite values"),
-        (lambda h: setattr(h, "owner", "run-9/partition-0"), "it belongs to 'run-9/partition-0', not 'run-1/"),
+        (lambda h: setattr(h, "owner", "run-9/partition-0"), "it belongs to 'run-9/partition-0', not '"),
         (lambda h: setattr(h, "layout", "0123456789abcdef"), "it was saved for model layout 0123456789abcdef"),
         (lambda h: h.counts.__setitem__(0, h.counts[0] + 1), "x's checksum is"),
         (lambda h: setattr(h, "version", -4), "version -4"),

@@ -306,18 +306,18 @@ def test_state_in_files_only_trains_like_state_in_context_and_survives_a_restart
     assert len(list((tmp_path / "run1" / "anchors").iterdir())) == 1  # one anchor file for the run's nodes
 
 
-def test_state_in_files_only_without_a_state_key_keeps_it_under_the_run_id(tmp_path: Path) -> None:
+def test_state_in_files_only_without_a_state_key_keeps_it_under_the_strategys_own_key(tmp_path: Path) -> None:
     # Prepare: files only, and a strategy built without a state key (a user's ServerApp without resume)
     cfg = {**RUN_CONFIG, "client-state-dir": str(tmp_path), "state-in-context": False}
     grid = LocalGrid(client_app, 2, run_config=cfg, run_id=77)
     strategy = DistributedLion(lr=LR, weight_decay=WD)
     # Execute
     run_rounds(strategy, grid, 3)
-    # Assert: every round trained; each node's newest state is in <dir>/run-<run id>/partition-<id>, none in a context
+    # Assert: every round trained; each node's newest state is in <dir>/<run key>/partition-<id>, none in a context
     assert [h["num-replies"] for h in strategy.history] == [2, 2, 2] and strategy.version == 3
     dlion.wait()
     for pid, node in enumerate(grid.node_ids):
-        assert rounds_in(tmp_path / "run-77" / f"partition-{pid}") == [2, 3]
+        assert rounds_in(tmp_path / strategy.run_key / f"partition-{pid}") == [2, 3]
         assert not grid.context(node).state
 
 

@@ -449,17 +449,19 @@ def test_stale_momentum_decays_or_resets_by_the_rounds_missed(
     policy: str, before: int | None, after: int, want: list[float]
 ) -> None:
     from flower_dlion.clients.local_work import age_momentum
+    from flower_dlion.clients.round_config import RoundConfig
 
     state = node_at(np.zeros(2), after, torch.tensor([4.0, -2.0]))
-    age_momentum(state, before, ConfigRecord({"stale-momentum": policy, "beta2": 0.5}), 1)
+    age_momentum(state, before, RoundConfig(server_round=1, version=after, beta1=0.9, beta2=0.5, stale_momentum=policy))
     assert state.m.tolist() == want
 
 
 def test_unknown_stale_momentum_is_refused_and_bad_arguments_fail_early() -> None:
-    from flower_dlion.clients.local_work import ClientStateError, age_momentum
+    from flower_dlion.clients.round_config import ClientStateError, RoundConfig
 
-    with pytest.raises(ClientStateError, match="node 5: unknown stale-momentum 'forget'"):
-        age_momentum(node_at(np.zeros(2), 3, torch.ones(2)), 1, ConfigRecord({"stale-momentum": "forget"}), 5)
+    sent = ConfigRecord({"server-round": 2, "version": 1, "beta1": 0.9, "beta2": 0.99, "stale-momentum": "forget"})
+    with pytest.raises(ClientStateError, match=r"node 5: the server sent stale-momentum = 'forget' \(one of"):
+        RoundConfig.parse(sent, 5)
     with pytest.raises(ValueError, match="stale_momentum must be 'keep', 'decay' or 'reset', got 'forget'"):
         DistributedLion(stale_momentum="forget")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"'stale-momentum' must be one of \('keep', 'decay', 'reset'\)"):

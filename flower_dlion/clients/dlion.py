@@ -76,6 +76,7 @@ from .local_work import LocalWork, Tamper, age_momentum, synced_momentum, upload
 from .placement import Placement
 from .replica import Apply, apply_message
 from .resident import NodeState, ReplicaPool, Residents, device_memory
+from .round_config import MAX_BATCHES, RoundConfig, hello_keys
 from .state import (
     CONTEXT_LIMIT,
     ClientStateError,
@@ -120,6 +121,10 @@ class ClientSettings:
         two before it as context (~20 % fewer bytes down, an entropy decode of every value on the
         host), which it does while that saves time (:mod:`.link`). None: the node config's
         ``link-mbps`` if it has one, else the client never asks.
+    max_batches : int (default: 1000)
+        The most batches one round may take (``local-steps × accumulate``): a server that asks
+        for more is refused (:class:`~.round_config.RoundConfig`), so none can keep the node busy
+        for ever.
 
     """
 
@@ -129,6 +134,7 @@ class ClientSettings:
     momentum_dtype: str = "float32"
     max_resident: int | None = None
     link_mbps: float | None = None
+    max_batches: int = MAX_BATCHES
 
     def __post_init__(self) -> None:
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
@@ -143,6 +149,8 @@ class ClientSettings:
             raise ValueError(f"max_resident must be an int >= 0 or None (auto), got {self.max_resident!r}")
         if self.link_mbps is not None and not _positive(self.link_mbps):
             raise ValueError(f"link_mbps must be a finite number > 0 (Mbit/s) or None, got {self.link_mbps!r}")
+        if not (isinstance(self.max_batches, int) and not isinstance(self.max_batches, bool) and self.max_batches >= 1):
+            raise ValueError(f"max_batches must be an int >= 1, got {self.max_batches!r}")
 
 
 def _positive(value: object) -> bool:
@@ -187,7 +195,7 @@ class DLionClient:
     loss_fn : Callable[[nn.Module, batch], Tensor] | None (default: None)
         The loss of one batch; the batch is on the model's device when it is called. None:
         ``cross_entropy(model(inputs), targets)`` for batches ``(inputs, targets)``.
-    device, state_dir, state_in_context, momentum_dtype, max_resident, link_mbps
+    device, state_dir, state_in_context, momentum_dtype, max_resident, link_mbps, max_batches
         See :class:`ClientSettings`; checked now. Override :meth:`settings` to choose per node.
 
     Raises
@@ -221,6 +229,7 @@ class DLionClient:
         momentum_dtype: str = "float32",
         max_resident: int | None = None,
         link_mbps: float | None = None,
+        max_batches: int = MAX_BATCHES,
     ) -> None:
         if isinstance(model_fn, nn.Module) or not callable(model_fn):
             raise TypeError(
@@ -228,7 +237,9 @@ class DLionClient:
             )
         self.model_fn = model_fn
         self.loss_fn: LossFn = loss_fn or cross_entropy_loss
-        self._settings = ClientSettings(device, state_dir, state_in_context, momentum_dtype, max_resident, link_mbps)
+        self._settings = ClientSettings(
+            device, state_dir, state_in_context, momentum_dtype, max_resident, link_mbps, max_batches
+        )
         self._devices: dict[torch.device, _Device] = {}
         self._choices: dict[str, ContextChoice] = {}
         self._decode_cost = DecodeCost()  # of a context-coded Δ in this process, measured by whichever node applies one
@@ -266,7 +277,9 @@ class DLionClient:
         here = self._on(resolve_device(settings.device), settings)
         spec = here.bound.spec
         request = msg.content[HELLO] if HELLO in msg.content else ConfigRecord()
-        store, owner = self._store(context, request, spec.d, server_round=0)
+        state_key, state_round = hello_keys(request, context.node_id)
+        store, owner = self._store(context, spec.d, state_key, -1 if state_round is None else state_round, 0)
+        store.probe()  # a state folder this node cannot write fails now, not after round 1
         node = self._start(here, store, owner, context)
         if node is not None:
             here.residents.put(owner, node)
@@ -308,9 +321,9 @@ class DLionClient:
                 f"node {context.node_id}: a train message with records {sorted(msg.content.keys())}, not "
                 f"DistributedLion's '{CONFIG}': does the ServerApp start DistributedLion?"
             )
-        round_config = msg.content[CONFIG]
-        server_round = int(round_config["server-round"])
-        store, owner = self._store(context, round_config, spec.d, server_round)
+        cfg = RoundConfig.parse(msg.content[CONFIG], context.node_id, max_batches=settings.max_batches)
+        as_of = cfg.server_round - 1 if cfg.state_round is None else cfg.state_round
+        store, owner = self._store(context, spec.d, cfg.state_key, as_of, cfg.keep_round)
         choice = self._choice(owner, settings, context)
         env = Apply(here.placement, here.pool, spec, context.node_id, self._seed_fn, choice)
         lived, self._served = self._served > 0, self._served + 1
@@ -318,9 +331,19 @@ class DLionClient:
         held = None
         try:
             before = None if node is None else node.version
-            node = apply_message(msg.content, node, env)
+            try:
+                node = apply_message(msg.content, node, env)
+            except ClientStateError as err:
+                if node is None:  # say where its state was looked for (a deleted file, a lost context)
+                    raise ClientStateError(f"{err} (its state: {store.where()})") from err
+                raise
+            except (KeyError, TypeError, ValueError) as err:  # a record or key missing, a value of another type
+                raise ClientStateError(
+                    f"node {context.node_id}: the server's round {cfg.server_round} message is malformed "
+                    f"({type(err).__name__}: {err}): refused"
+                ) from err
             here.pool.hold(held := node.replica)  # nothing recycles it while this message runs
-            reply = self._round(msg, context, node, before, here, batches, tamper)
+            reply = self._round(msg, cfg, context, node, before, here, batches, tamper)
             host = here.placement.node_to_host(node, settings.momentum_dtype)
             host.owner, host.layout = owner, layout_fingerprint(spec.layout)
             if choice.keeps and node.replica.depth == 2 and choice.wanted():
@@ -341,6 +364,7 @@ class DLionClient:
     def _round(
         self,
         msg: Message,
+        cfg: RoundConfig,
         context: Context,
         node: NodeState,
         before: int | None,
@@ -352,15 +376,13 @@ class DLionClient:
 
         ``before``: the node's version before this message (None: it had no state).
         """
-        round_config = msg.content[CONFIG]
-        server_round, seed = int(round_config["server-round"]), int(round_config.get("seed", 0))
+        server_round, seed, sync = cfg.server_round, cfg.seed, cfg.momentum_sync
         key = _node_key(context)
         bound, spec, device = here.bound, here.bound.spec, here.placement.device
-        age_momentum(node, before, round_config, context.node_id)
-        sync = bool(round_config.get("momentum-sync", 0))
+        age_momentum(node, before, cfg)
         mask = None
         if sync or MOMENTUM in msg.content:  # parameters whose momentum is synchronized
-            layers = sync_prefixes(str(round_config.get("momentum-sync-layers", "")))
+            layers = sync_prefixes(cfg.momentum_sync_layers)
             mask = here.placement.to_device(layer_mask(spec.layout, layers).numpy())
         if MOMENTUM in msg.content:
             assert mask is not None
@@ -372,18 +394,17 @@ class DLionClient:
         gen = _generator(device, seed, key, server_round)  # coin flips for exact zeros
         if here.grad is None:
             here.grad = torch.empty(spec.d, device=device)
-        accumulate = int(round_config.get("accumulate", 1))
         replica = (node.replica.x, node.replica.ident)
-        work = LocalWork(bound, self.loss_fn, batches, accumulate=accumulate, out=here.grad, replica=replica)
+        work = LocalWork(bound, self.loss_fn, batches, accumulate=cfg.accumulate, out=here.grad, replica=replica)
         flips: list[int] = []  # how many signs were coin flips (exact zeros of the Lion mix)
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(_seed(seed, key, server_round, 1))  # the batches' shuffles, dropout
-            arrays = upload_arrays(node, round_config, spec.sizes, work, gen, tamper, flips, context.node_id)
+            arrays = upload_arrays(node, cfg, spec.sizes, work, gen, tamper, flips)
         if sync:
             assert mask is not None
             arrays["momentum"] = to_array(here.placement.to_host(node.m[mask]))
         node.rest = node.rest | {name: t.clone() for name, t in bound.buffers().items()}  # the client's own buffers
-        if round_config.get("buffers", 0):
+        if cfg.buffers:
             arrays["buffers"] = to_array(_flat_buffers(node, spec, here.placement))
         if tamper is not None:
             arrays = tamper.arrays(arrays)
@@ -450,8 +471,13 @@ class DLionClient:
             seeded = Binding(self.model_fn())  # built on the CPU: host tensors
         return seeded.flat_parameters().numpy(), {k: v.numpy() for k, v in seeded.rest().items()}
 
-    def _store(self, context: Context, round_config: ConfigRecord, d: int, server_round: int) -> tuple[StateStore, str]:
-        """Where this node's state is persisted for this message (see :class:`ClientSettings`), and whose it is."""
+    def _store(self, context: Context, d: int, state_key: str, as_of: int, keep_round: int) -> tuple[StateStore, str]:
+        """Where this node's state is persisted for this message (see :class:`ClientSettings`), and whose it is.
+
+        ``state_key``: the run's identity the server sends (unique per run, even where run ids
+        repeat: in-process grids, parallel sweeps); ``run-<run id>`` from a server that sends none.
+        ``as_of``: start from the state as of the end of that round (-1: the newest).
+        """
         s = self.settings(context)
         in_context = s.state_in_context
         if in_context is None:
@@ -474,18 +500,14 @@ class DLionClient:
                 8 * d / 1e9,
             )
             in_context = False
-        run = str(round_config.get("state-key", "")) or f"run-{context.run_id}"
+        run = state_key or f"run-{context.run_id}"
+        owner = f"{run}/{node_label(context)}"
         root = s.state_dir or (None if in_context else str(default_state_dir()))
         folder = None if root is None else Path(root).expanduser() / run / node_label(context)
-        as_of = int(round_config.get("state-round", server_round - 1 if server_round else -1))
         store = StateStore(
-            context,
-            in_context=in_context,
-            folder=folder,
-            as_of=as_of,
-            keep_round=int(round_config.get("keep-round", 0)),
+            context, in_context=in_context, folder=folder, as_of=as_of, keep_round=keep_round, owner=owner
         )
-        return store, f"{run}/{node_label(context)}"
+        return store, owner
 
     def _tell_once(self, what: str, fmt: str, *args: object) -> None:
         if what not in self._told:

@@ -16,14 +16,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord
+from flwr.app import Array, ArrayRecord
 
-from .. import codec, lion
+from .. import codec, lion, quantizers
 from ..params import Binding, LossFn
 from ..protocol import SIGN_STYPE, bits_array
 from ..uploads import UPLOADS, Shape
-from .replica import scale_sizes
 from .resident import NodeState
+from .round_config import PROXIMAL_LIMIT, RoundConfig
 from .state import ClientStateError
 
 __all__ = [
@@ -36,7 +36,6 @@ __all__ = [
     "upload_arrays",
 ]
 
-PROXIMAL_LIMIT = 1e6  # a server asking for a larger local proximal weight is refused
 MOMENTUM_LIMIT = 1e6  # a synced momentum beyond this is no average of gradients a float32 model trains with
 
 
@@ -109,42 +108,34 @@ class LocalWork:
 
 def upload_arrays(
     state: NodeState,
-    round_config: ConfigRecord,
+    cfg: RoundConfig,
     sizes: list[int],
     work: LocalWork,
     gen: torch.Generator,
     tamper: Tamper | None,
     flips: list[int],
-    node_id: int,
 ) -> dict[str, Array]:
     """Steps 2–3: the local Lion steps and the reply's arrays for U (m and the error state updated).
 
-    ``flips`` gets the number of signs sent as coin flips (exact zeros; the sign upload only).
+    ``cfg``: the round's options, already range-checked (:class:`RoundConfig`). ``flips`` gets
+    the number of signs sent as coin flips (exact zeros; the sign upload only).
     """
     x = state.replica.x  # shared by the nodes at this version: never changed here
     d = x.numel()
-    steps, upload = int(round_config.get("local-steps", 1)), str(round_config.get("upload", "sign"))
-    beta1, beta2 = float(round_config["beta1"]), float(round_config["beta2"])
-    if upload not in UPLOADS:  # before the local steps: the state stays as it was
-        raise ClientStateError(f"unknown upload {upload!r}")
-    sizes = scale_sizes(sizes, round_config, node_id)
+    steps, upload, beta1, beta2 = cfg.local_steps, cfg.upload, cfg.beta1, cfg.beta2
+    sizes = quantizers.scale_blocks(sizes, cfg.scale_block)
     gradient = work.gradient
-    mu = float(round_config.get("local-proximal-mu", 0.0))
+    mu = cfg.local_proximal_mu
     if mu:  # drift control: each local gradient gains μ·(x_local − x), x the round's replica
-        if not (math.isfinite(mu) and 0 < mu <= PROXIMAL_LIMIT):
-            raise ClientStateError(f"local-proximal-mu {mu} outside (0, {PROXIMAL_LIMIT:g}]")
         gradient = lambda xk, k: work.gradient(xk, k).add_(xk - x, alpha=mu)  # noqa: E731
-    optimizer = str(round_config.get("local-optimizer", "lion"))
-    if optimizer == "sgd":  # K local SGD steps: g = x − x_K
-        g = lion.local_sgd(x, gradient, steps=steps, lr=float(round_config["local-lr"]))
+    if cfg.local_optimizer == "sgd":  # K local SGD steps: g = x − x_K
+        g = lion.local_sgd(x, gradient, steps=steps, lr=cfg.local_lr)
         if upload == "ef-sign":  # g itself, a scaled sign with error feedback (FedAvg's update, compressed)
             if tamper is not None:
                 g = tamper.upload(g, gen)
             arrays, state.error = UPLOADS[upload].encode(g, state.error, Shape(d, sizes, 1), gen, flips)
             return arrays
         steps, gradient = 1, lambda x, k: g  # FedSMU's client: one Lion step on g
-    elif optimizer != "lion":
-        raise ClientStateError(f"unknown local optimizer {optimizer!r}")
     if steps == 1 and upload == "sign" and tamper is None:  # one fused pass over m and g
         packed = codec.pack_local_step_(state.m, gradient(x, 0), beta1, beta2, gen, flips=flips)
         return {"signs": bits_array(packed, d, SIGN_STYPE)}
@@ -154,8 +145,8 @@ def upload_arrays(
         state.m,
         gradient,
         steps=steps,
-        lr=float(round_config.get("local-lr", 0.0)),
-        weight_decay=float(round_config.get("local-weight-decay", 0.0)),
+        lr=cfg.local_lr,
+        weight_decay=cfg.local_weight_decay,
         beta1=beta1,
         beta2=beta2,
     )
@@ -165,16 +156,13 @@ def upload_arrays(
     return arrays
 
 
-def age_momentum(state: NodeState, before: int | None, round_config: ConfigRecord, node_id: int) -> None:
+def age_momentum(state: NodeState, before: int | None, cfg: RoundConfig) -> None:
     """``stale-momentum``: after k missed rounds (versions beyond the one its upload made), m ← β₂ᵏ·m or 0."""
-    policy = str(round_config.get("stale-momentum", "keep"))
-    if policy not in ("keep", "decay", "reset"):
-        raise ClientStateError(f"node {node_id}: unknown stale-momentum {policy!r}")
     missed = 0 if before is None else state.version - before - 1
-    if policy == "keep" or missed <= 0:
+    if cfg.stale_momentum == "keep" or missed <= 0:
         return
-    if policy == "decay":
-        state.m.mul_(float(round_config["beta2"]) ** missed)
+    if cfg.stale_momentum == "decay":
+        state.m.mul_(cfg.beta2**missed)
     else:
         state.m.zero_()
 

@@ -40,6 +40,7 @@ import json
 import logging
 import math
 import os
+import re
 import secrets
 import struct
 import tempfile
@@ -405,10 +406,15 @@ class StateStore:
         Start from the state as of the end of this round (-1: the newest there is).
     keep_round : int
         The server's latest checkpoint: the state file of that round is kept.
+    owner : str (default: "")
+        Whose state this is (``<run key>/<node label>``): files in ``folder`` that name another
+        owner are neither read nor replaced nor deleted ("": every readable file is this node's).
 
     """
 
-    def __init__(self, context: Context, *, in_context: bool, folder: Path | None, as_of: int, keep_round: int) -> None:
+    def __init__(
+        self, context: Context, *, in_context: bool, folder: Path | None, as_of: int, keep_round: int, owner: str = ""
+    ) -> None:
         if not in_context and folder is None:
             raise ClientStateError(f"node {context.node_id}: the state must go to the context or to files")
         self.context = context
@@ -416,6 +422,22 @@ class StateStore:
         self.folder = folder
         self.as_of = as_of
         self.keep_round = keep_round
+        self.owner = owner
+
+    def probe(self) -> None:
+        """Write and remove a small file in the folder, or raise ClientStateError saying why it cannot be written."""
+        if self.folder is None:
+            return
+        probe = self.folder / f".probe.{os.getpid()}"
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            probe.write_bytes(b"flower-dlion")
+            probe.unlink()
+        except OSError as err:
+            raise ClientStateError(
+                f"node {self.context.node_id}: its state folder {self.folder} cannot be written ({err}); choose a "
+                "writable one: run config 'client-state-dir', DLionClient(state_dir=...)"
+            ) from err
 
     # ------------------------------------------------------------------ which copy
     def _context_round(self) -> int | None:
@@ -526,11 +548,29 @@ class StateStore:
         out = []
         for path in self.folder.glob("*.state"):
             meta = read_state_header(path)
+            if meta is not None and self.owner and meta.get("owner") != self.owner:
+                continue  # another run's or node's: not read, not replaced, not deleted
             try:
                 out.append((int(meta["round"]) if meta is not None else -1, path))
             except (KeyError, TypeError, ValueError):
                 out.append((-1, path))
         return sorted(out, key=lambda rp: (rp[0], rp[1].name.startswith("slot")))
+
+    def _mine(self, path: Path) -> bool:
+        """Whether this node may write ``path``: not there, a state file of this owner, or one that does not read."""
+        if not path.exists():
+            return True
+        meta = read_state_header(path)
+        return meta is None or not self.owner or meta.get("owner") == self.owner
+
+    def _sweep(self) -> None:
+        """Remove what a write of this node's that was cut short left: temporary files and markers of dead processes."""
+        assert self.folder is not None
+        for folder in (self.folder, self.folder.parent / "anchors"):
+            for path in folder.glob(".*"):
+                pid = _writer_pid(path.name)
+                if pid is not None and pid != os.getpid() and not _alive(pid):
+                    path.unlink(missing_ok=True)
 
     def _newest_file(self) -> tuple[int, Path] | None:
         """The newest state file at or before ``as_of``, after waiting for a newer one another process is writing.
@@ -617,6 +657,7 @@ class StateStore:
         """
         assert self.folder is not None
         try:
+            self._sweep()
             if host.anchor is not None:
                 anchor_path = self._anchor_path(host.anchor_version, host.anchor_checksum)
                 if not anchor_path.exists():  # once per anchor for all the run's nodes
@@ -629,19 +670,34 @@ class StateStore:
             if kept is not None and kept[1].name.startswith("slot"):  # the checkpoint's round: out of the slots
                 kept = (kept[0], kept[1].rename(self.folder / f"r{kept[0]}.state"))
                 files = self._files()
-            slots = {self.folder / f"slot-{i}.state": -2 for i in (0, 1)}
+            slots = {p: -2 for i in (0, 1) if self._mine(p := self.folder / f"slot-{i}.state")}
+            if not slots:
+                raise ClientStateError(f"{self.folder} holds another run's or node's state files: not replaced")
             slots |= {p: r for r, p in files if p in slots}
             newest = max(slots.values())
             target = min(slots, key=lambda p: (slots[p] < host.round and slots[p] == newest, slots[p]))
             write_state_file(target, host, in_place=True)
             kept_path = None if kept is None else kept[1]
-            for r, p in self._files():
+            for r, p in self._files():  # this node's only (a file whose header does not read is left alone)
                 old_kept = p.name.startswith("r") and p != kept_path
-                if p != target and (old_kept or r >= host.round):
+                if p != target and r >= 0 and (old_kept or r >= host.round):
                     p.unlink(missing_ok=True)
         finally:
             if marker is not None:
                 marker.unlink(missing_ok=True)
+
+
+_LEFT_BEHIND = re.compile(r"\.(?:.+\.(\d+)\.tmp(?:\.npy)?|r\d+\.pending\.(\d+)|probe\.(\d+))")
+
+
+def _writer_pid(name: str) -> int | None:
+    """The writer's process id in a temporary file's or marker's name, None for any other name.
+
+    ``.<file>.<pid>.tmp[.npy]`` (a file being written), ``.r<round>.pending.<pid>`` (a write
+    announced), ``.probe.<pid>`` (a hello's probe).
+    """
+    match = _LEFT_BEHIND.fullmatch(name)
+    return None if match is None else int(next(g for g in match.groups() if g is not None))
 
 
 def _alive(pid: int) -> bool:

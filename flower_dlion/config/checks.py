@@ -24,6 +24,7 @@ def read_config(run_config: Mapping[str, Any] | None) -> dict[str, Any]:
     cfg = _merged(run_config)
     for check in (_check_ranges, _check_algorithm, _check_lr_schedule, _check_local_optimizer, _check_baselines):
         check(cfg)
+    _check_data(cfg)
     _check_faults(cfg)
     _check_persistence(cfg)
     return cfg
@@ -49,6 +50,9 @@ def _merged(run_config: Mapping[str, Any] | None) -> dict[str, Any]:
     return cfg
 
 
+NUM_CLASSES = 10  # Fashion-MNIST's classes
+TRAIN_IMAGES = 60_000  # Fashion-MNIST's training images (the clients' data and the holdout)
+
 _POSITIVE = (
     "num-server-rounds",
     "batch-size",
@@ -61,14 +65,27 @@ _POSITIVE = (
     "local-steps",
     "accumulate",
     "anchor-every",
+    "max-local-batches",
 )
 
 
 def _check_ranges(cfg: dict[str, Any]) -> None:
-    """Each number on its own: within its range."""
+    """Each number on its own: within its range.
+
+    ``lr`` and ``weight-decay`` for every strategy (the D-Lion family's constructors check them too,
+    the FedAvg family's clients would take them as they are), ``seed`` as numpy seeds with it.
+    """
     for key in _POSITIVE:
         if cfg[key] < 1:
             raise ValueError(f"run-config '{key}' must be >= 1, got {cfg[key]}")
+    if not (math.isfinite(cfg["lr"]) and cfg["lr"] > 0):
+        raise ValueError(f"run-config 'lr' must be finite and > 0, got {cfg['lr']}")
+    if not (math.isfinite(cfg["weight-decay"]) and cfg["weight-decay"] >= 0):
+        raise ValueError(f"run-config 'weight-decay' must be finite and >= 0, got {cfg['weight-decay']}")
+    if not 0 <= cfg["seed"] < 2**32:
+        raise ValueError(f"run-config 'seed' must be in [0, 2**32) (numpy's seeds), got {cfg['seed']}")
+    if cfg["max-failed-rounds"] < 0:
+        raise ValueError(f"run-config 'max-failed-rounds' must be >= 0 (0: never stop), got {cfg['max-failed-rounds']}")
     for key in ("beta1", "beta2", "momentum"):
         if not 0.0 <= cfg[key] < 1.0:
             raise ValueError(f"run-config '{key}' must be in [0, 1), got {cfg[key]}")
@@ -108,6 +125,30 @@ def _check_ranges(cfg: dict[str, Any]) -> None:
         raise ValueError(f"run-config 'server-momentum' must be in [0, 1), got {cfg['server-momentum']}")
 
 
+def _check_data(cfg: dict[str, Any]) -> None:
+    """``classes-per-partition`` within what the partitioner can make of Fashion-MNIST.
+
+    ``pathological`` gives each partition that many distinct classes: at most :data:`NUM_CLASSES`.
+    ``shard`` cuts the clients' ``TRAIN_IMAGES − holdout`` images into num-partitions × that many
+    shards of equal size, which must hold one image at least (else flwr-datasets divides by 0 on
+    every client): num-partitions comes from the nodes' node config, which the run config does not
+    know, so only the bound for one partition is checked here.
+    """
+    cpp, partitioner = cfg["classes-per-partition"], cfg["partitioner"]
+    if partitioner == "pathological" and cpp > NUM_CLASSES:
+        raise ValueError(
+            f"run-config 'classes-per-partition' must be <= {NUM_CLASSES} (Fashion-MNIST's classes) for "
+            f"partitioner 'pathological', got {cpp}"
+        )
+    images = TRAIN_IMAGES - cfg["holdout"]
+    if partitioner == "shard" and cpp > images:
+        raise ValueError(
+            f"run-config 'classes-per-partition' (shards per partition) must be <= {images} (the clients' "
+            f"images: {TRAIN_IMAGES} - holdout {cfg['holdout']}; times num-partitions, at most that) for "
+            f"partitioner 'shard', got {cpp}"
+        )
+
+
 def _check_algorithm(cfg: dict[str, Any]) -> None:
     """The algorithm's keys together: D-Lion's options only on D-Lion, and the combinations that work."""
     if cfg["strategy"] not in DLION_STRATEGIES:
@@ -123,6 +164,11 @@ def _check_algorithm(cfg: dict[str, Any]) -> None:
             "run-config downlink='anchored' needs integer Δs: a vote ('dlion-vote', 'signsgd-vote') with "
             f"'broadcast-bits' = 0, got strategy={cfg['strategy']!r}, broadcast-bits={cfg['broadcast-bits']}; "
             "use 'auto' or 'chain'"
+        )
+    if cfg["local-steps"] * cfg["accumulate"] > cfg["max-local-batches"]:
+        raise ValueError(
+            f"run-config 'local-steps' × 'accumulate' = {cfg['local-steps']} × {cfg['accumulate']} batches a round is "
+            f"more than the clients' 'max-local-batches' = {cfg['max-local-batches']}: raise it, or take fewer steps"
         )
     if cfg["anchor-every"] * cfg["local-steps"] > 1 << 20:
         raise ValueError(

@@ -207,6 +207,14 @@ GROUPS: dict[str, Group] = {
                 2, "wait for this many connected nodes before round 1 (1 for a one-node federation)"
             ),
             "min-replies": Key(1, "fewer valid replies than this: the round applies no update"),
+            "max-failed-rounds": Key(
+                3,
+                (
+                    "the run stops with an error (`summary.json` status `stopped`, the reasons logged) after this "
+                    "many rounds in a row with fewer than `min-replies` valid replies (FedAvg family: none; replies "
+                    "with non-finite arrays are dropped); 0: never"
+                ),
+            ),
             "eval-every": Key(20, "evaluate x on the 10,000 test images every k rounds (and at 0 and the end)"),
             "device": Key("auto", "`auto` (CUDA when available), `cpu` or `cuda` for the clients"),
             "round-timeout": Key(
@@ -231,6 +239,13 @@ GROUPS: dict[str, Group] = {
                 (
                     "D-Lion family: nodes whose state a client process keeps on its device between messages; "
                     "-1: as many as fit in a quarter of the device's memory, 0: none"
+                ),
+            ),
+            "max-local-batches": Key(
+                1000,
+                (
+                    "D-Lion family: the most batches a client takes in one round (`local-steps` × `accumulate`); a "
+                    "server message asking for more is refused (`DLionClient(max_batches=...)`)"
                 ),
             ),
             "link-mbps": Key(
@@ -333,6 +348,7 @@ DLION_STRATEGIES = ("dlion-vote", "dlion-mean", "signsgd-vote")
 # Keys that only the Distributed Lion family reads; their defaults turn them off.
 DLION_ONLY = (
     "max-resident",
+    "max-local-batches",
     "link-mbps",
     "client-state-dir",
     "state-in-context",

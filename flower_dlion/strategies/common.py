@@ -27,6 +27,7 @@ from flwr.supercore import log
 
 from ..params import Entry, ModelSpec
 from ..protocol import HELLO, HELLO_ACTION, RejectedReply, error_text, to_array
+from .run_stops import FailedRounds, RunStopped, nodes_text, short_reason, whole_reason
 
 __all__ = ["CheckedReplies", "Layout", "ServerModelStrategy", "check_common_args", "spec_of_arrays"]
 
@@ -99,6 +100,11 @@ class ServerModelStrategy(Strategy):
         "arrays", the evaluate config as "config") after each round; 0 sends none.
     min_evaluate_nodes : int
         Minimum number of nodes evaluated, when ``fraction_evaluate`` > 0.
+    max_failed_rounds : int (default: 3)
+        The run stops (:class:`RunStopped`, naming the rounds and why replies were rejected)
+        after this many rounds in a row with fewer than ``min_replies`` valid replies; a round
+        with enough resets the count. 0 never stops. Independently, the first round stops when
+        every connected node answered its hello with an error.
 
     """
 
@@ -112,6 +118,7 @@ class ServerModelStrategy(Strategy):
         sample_seed: int = 0,
         fraction_evaluate: float = 0.0,
         min_evaluate_nodes: int = 2,
+        max_failed_rounds: int = 3,
     ) -> None:
         if not 0.0 < fraction_train <= 1.0:
             raise ValueError(f"fraction_train must be in (0, 1], got {fraction_train}")
@@ -125,6 +132,8 @@ class ServerModelStrategy(Strategy):
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if isinstance(max_failed_rounds, bool) or not isinstance(max_failed_rounds, int) or max_failed_rounds < 0:
+            raise ValueError(f"max_failed_rounds must be an integer >= 0 (0: never stop), got {max_failed_rounds!r}")
         self.fraction_train = fraction_train
         self.fraction_evaluate = fraction_evaluate
         self.min_train_nodes = min_train_nodes
@@ -132,6 +141,9 @@ class ServerModelStrategy(Strategy):
         self.min_available_nodes = min_available_nodes
         self.min_replies = min_replies
         self.sample_seed = sample_seed
+        self.max_failed_rounds = max_failed_rounds
+        self._failures = FailedRounds(max_failed_rounds, min_replies)  # failed rounds in a row, and why
+        self._greeted = False  # a node has answered a hello usefully in this process
         self.x: torch.Tensor | None = None  # the global model's trainable parameters, flat float32
         self.spec: ModelSpec | None = None  # what the model holds (set with x)
         self._layout: Layout = []  # (name, shape) of each tensor of x
@@ -246,10 +258,26 @@ class ServerModelStrategy(Strategy):
                 out.answered.add(node_id)
                 why = "round %d: rejected reply from node %d (partition %d): %s"
                 log(WARNING, why, server_round, node_id, pid, err)
+                self._failures.reject(node_id, whole_reason(msg, err))
                 continue
             out.answered.add(node_id)
             out.valid.append(parsed)
         return out
+
+    def _round_outcome(self, server_round: int, valid: int, why: str) -> None:
+        """Count the round as failed (fewer than ``min_replies`` valid replies) or reset the count.
+
+        ``why`` is the round's own account (e.g. "0 valid of 3 sent (3 rejected, 0 without a
+        reply)"). Subclasses call it at the end of ``aggregate_train``.
+
+        Raises
+        ------
+        RunStopped
+            At the ``max_failed_rounds``-th failed round in a row: the message names the rounds,
+            ``why`` and the last distinct reasons replies were rejected for, with their nodes.
+
+        """
+        self._failures.outcome(server_round, valid, why)
 
     def _hello_config(self, server_round: int) -> ConfigRecord:
         """What a hello carries (subclasses add their keys)."""
@@ -264,7 +292,16 @@ class ServerModelStrategy(Strategy):
             log(WARNING, "partition %d: node %d replaces node %d (a restarted SuperNode?)", pid, node_id, previous)
 
     def _discover(self, grid: Grid, server_round: int) -> list[int]:
-        """Wait for ``min_available_nodes``; say hello to new node ids; the connected nodes we know."""
+        """Wait for ``min_available_nodes``; say hello to new node ids; the connected nodes we know.
+
+        Raises
+        ------
+        RunStopped
+            Before any node has answered a hello usefully, when every connected node has now
+            answered its hello with an error or a refusal (at least one of them an error: a
+            model that does not match is the strategy's to report).
+
+        """
         connected = list(grid.get_node_ids())
         while len(connected) < self.min_available_nodes:
             log(
@@ -276,16 +313,43 @@ class ServerModelStrategy(Strategy):
             time.sleep(1.0)
             connected = list(grid.get_node_ids())
         new = [n for n in connected if n not in self._pid_of and n not in self._refused]
+        failed: dict[int, str] = {}  # node id → why its hello was rejected now
         if new:
             content = RecordDict({HELLO: self._hello_config(server_round)})
             group = f"hello-{server_round}"
             hellos = [Message(content=content, dst_node_id=n, message_type=HELLO_TYPE, group_id=group) for n in new]
             for reply in grid.send_and_receive(hellos, timeout=self.query_timeout):
-                self._greet(reply, hellos, new, server_round)
-        return [n for n in connected if self._pid_of.get(n) is not None and self._node_of[self._pid_of[n]] == n]
+                node_id, why = self._greet(reply, hellos, new, server_round)
+                if why is not None:
+                    failed[node_id] = why
+        known = [n for n in connected if self._pid_of.get(n) is not None and self._node_of[self._pid_of[n]] == n]
+        if new and not known and not self._greeted:
+            self._stop_if_no_hello_was_useful(connected, failed, server_round)
+        return known
 
-    def _greet(self, reply: Message, hellos: list[Message], new: list[int], server_round: int) -> None:
-        """Take one answer to a hello: the node's key and version, or a logged refusal."""
+    def _stop_if_no_hello_was_useful(self, connected: list[int], failed: dict[int, str], server_round: int) -> None:
+        """Raise :class:`RunStopped` when every connected node's hello failed, one at least with an error."""
+        why_of = {n: failed.get(n, self._refused.get(n)) for n in connected}
+        if any(why is None for why in why_of.values()) or all(n in self._refused for n in failed):
+            return  # a node has not answered (the rounds count it), or the refusals are the strategy's to report
+        by_reason: dict[str, list[int]] = {}
+        for node_id, why in why_of.items():
+            by_reason.setdefault(str(why), []).append(node_id)
+        reasons = "; ".join(f"{nodes_text(nodes)}: {why}" for why, nodes in by_reason.items())
+        raise RunStopped(
+            f"no node answered the hello usefully (round {server_round}): {reasons}. Each node's ClientApp "
+            "answers the strategy's hello with its DLionClient (`DLionClient(app, Net)` registers the handler "
+            "for the query message): see the clients' logs for these errors",
+            server_round,
+        )
+
+    def _greet(
+        self, reply: Message, hellos: list[Message], new: list[int], server_round: int
+    ) -> tuple[int, str | None]:
+        """Take one answer to a hello: the node's key and version, or a logged refusal.
+
+        Returns the node's id and, for a refused hello, why (None when it was taken).
+        """
         node_id, _ = self._reply_node(reply, hellos)
         try:
             if reply.has_error() and f"No query function registered with name '{HELLO_ACTION}'" in reply.error.reason:
@@ -313,13 +377,17 @@ class ServerModelStrategy(Strategy):
             if isinstance(err, RejectedReply) and err.final:
                 self._refused[node_id] = str(err)
             log(WARNING, "round %d: rejected hello from node %d: %s", server_round, node_id, err)
-            return
+            reason = whole_reason(reply, err)
+            self._failures.reject(node_id, f"hello: {reason}")
+            return node_id, short_reason(reason)
         previous = self._node_of.get(key)
         if previous is not None:
             self._pid_of.pop(previous, None)
         self._pid_of[node_id] = key
         self._node_of[key] = node_id
+        self._greeted = True
         self._on_new_node(key, node_id, version, previous)
+        return node_id, None
 
     def _sample(self, grid: Grid, server_round: int, *, evaluate: bool = False) -> list[int]:
         """Node ids of the keys sampled for ``server_round`` (seeded by round, see the class doc).
@@ -472,6 +540,7 @@ class ServerModelStrategy(Strategy):
         self._rest = {name: t.numpy().copy() for name, t in state["rest"].items()}
         self._out = {name: np.dtype(dtype) for name, dtype in state["out-dtypes"].items()}
         self._pid_of, self._node_of, self._refused = {}, {}, {}
+        self._failures = FailedRounds(self.max_failed_rounds, self.min_replies)
 
     def _log_sampling(self) -> None:
         """The sampling line of ``summary()``."""

@@ -18,6 +18,7 @@ sampling, the hellos and the round loop that both of our strategies share in
 from __future__ import annotations
 
 import math
+import secrets
 from collections.abc import Callable, Iterable, Sequence
 from logging import INFO, WARNING
 from typing import Any, Literal
@@ -32,7 +33,7 @@ from flwr.supercore import log
 from .. import entropy, quantizers
 from ..downlink import AnchoredHistory
 from ..params import LayoutError, ModelSpec, layer_mask, state_checksum
-from ..protocol import RejectedReply, checksum
+from ..protocol import STATE_KEY, RejectedReply, checksum
 from ..uploads import Shape, upload_kind
 from .aggregation import ReplyAggregation
 from .dlion_arguments import check_step_and_downlink_arguments, check_update_arguments
@@ -111,6 +112,12 @@ class DistributedLion(DownlinkMessages, ReplyAggregation):
         Wait until this many nodes are connected before sampling (1 for a one-node federation).
     min_replies : int (default: 1)
         A round with fewer valid replies applies no update.
+    max_failed_rounds : int (default: 3)
+        After this many rounds in a row with fewer than ``min_replies`` valid replies the run
+        stops: ``aggregate_train`` raises :class:`~flower_dlion.strategies.run_stops.RunStopped`
+        naming the rounds and why the replies were rejected (the history keeps the last round);
+        a round with enough valid replies resets the count. 0 never stops. The first round
+        also stops when every node answered its hello with an error.
     max_history_bytes : int | None (default: None)
         Bytes of past encoded Δs (and, anchored, counts) kept for clients that missed rounds;
         ``None``: the size of the full model for a chain (a longer chain is never cheaper than
@@ -173,9 +180,11 @@ class DistributedLion(DownlinkMessages, ReplyAggregation):
         Seed of the partition sampling (round t samples with ``default_rng([seed, t])``),
         also sent to the clients (their batch order and coin flips).
     state_key : str (default: "")
-        The run's identity for clients that keep their state in files (run config
-        ``client-state-dir``); kept in checkpoints so that a resumed run finds the files.
-        "" sends nothing (state in ``context.state`` only).
+        The run's identity for clients that keep their state in files that outlive the run (run
+        config ``client-state-dir``): 1 to 64 of ``A-Z a-z 0-9 _ -``, one per run; kept in
+        checkpoints so that a resumed run finds the files. "": a random key of this strategy
+        object's own (:attr:`run_key`, also kept in checkpoints), so that two runs never share a
+        client's state, even where their run ids are the same (in-process grids, parallel sweeps).
     downlink : {"auto", "anchored", "chain"} (default: "auto")
         What a client that is behind receives. "anchored" (:mod:`flower_dlion.downlink`):
         x = γ·xₐ − η·C from an anchor xₐ and the integer counts C = Σ Δ since it, so a client k
@@ -220,6 +229,7 @@ class DistributedLion(DownlinkMessages, ReplyAggregation):
         min_evaluate_nodes: int = 2,
         min_available_nodes: int = 2,
         min_replies: int = 1,
+        max_failed_rounds: int = 3,
         max_history_bytes: int | None = None,
         local_steps: int = 1,
         local_optimizer: Literal["lion", "sgd"] = "lion",
@@ -264,6 +274,7 @@ class DistributedLion(DownlinkMessages, ReplyAggregation):
             sample_seed=sample_seed,
             fraction_evaluate=fraction_evaluate,
             min_evaluate_nodes=min_evaluate_nodes,
+            max_failed_rounds=max_failed_rounds,
         )
         lion_steps = 1 if local_optimizer == "sgd" else local_steps  # Lion steps a round counts
         check_step_and_downlink_arguments(
@@ -304,7 +315,10 @@ class DistributedLion(DownlinkMessages, ReplyAggregation):
         self.momentum_sync_layers = tuple(momentum_sync_layers)
         self.buffer_sync_every = buffer_sync_every
         self.init_seed = init_seed
+        if state_key and not STATE_KEY.fullmatch(state_key):
+            raise ValueError(f"state_key must be 1 to 64 of A-Z a-z 0-9 _ - (a folder name) or '', got {state_key!r}")
         self.state_key = state_key
+        self._auto_key = secrets.token_hex(8)  # this run's, where state_key names none (see run_key)
         self.anchored = downlink == "anchored" or (downlink == "auto" and exact_vote and lr_schedule is None)
         self.anchor_every = anchor_every
         self.checkpoint_round = 0  # the latest checkpoint's round (clients keep their state as of it)
@@ -514,16 +528,20 @@ class DistributedLion(DownlinkMessages, ReplyAggregation):
         self.history.append({"round": server_round, **metrics})
         self._round = None
         self._state_resets = self._resyncs = 0
+        missing = len(set(rnd.sent) - checked.answered)
+        why = f"{len(valid)} valid of {len(rnd.sent)} sent ({checked.rejected} rejected, {missing} without a reply)"
+        self._round_outcome(server_round, len(valid), why)  # RunStopped after max_failed_rounds failed rounds
         return self.arrays(), MetricRecord(metrics)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """x, the server state (:class:`ServerState`), the run's state key and the metrics so far."""
+        """x, the server state (:class:`ServerState`), the run's keys and the metrics so far."""
         return (
             super().state_dict()
             | self.state.to_dict()
             | {
                 "state_key": self.state_key,
+                "run_key": self.run_key,
                 "history": [dict(h) for h in self.history],
             }
         )
@@ -534,5 +552,6 @@ class DistributedLion(DownlinkMessages, ReplyAggregation):
         self._mask = layer_mask(self._layout, self.momentum_sync_layers)
         self.state = ServerState.from_dict(state)
         self.state_key = str(state["state_key"])
+        self._auto_key = str(state.get("run_key", self._auto_key))  # a resumed run is the same run
         self.history = [dict(h) for h in state["history"]]
         self._round = None

@@ -68,6 +68,7 @@ class DownlinkMessages(ServerModelStrategy):
     momentum_sync_every: int
     momentum_sync_layers: tuple[str, ...]
     state_key: str
+    _auto_key: str
     checkpoint_round: int
     _state_resets: int
     _scale_sizes: list[int]  # a property of DistributedLion
@@ -117,16 +118,19 @@ class DownlinkMessages(ServerModelStrategy):
             round_config["buffers"] = 1
         if self.momentum_sync_every and self.momentum_sync_layers:
             round_config["momentum-sync-layers"] = ",".join(self.momentum_sync_layers)
-        if self.state_key:
-            round_config.update(self._hello_config(server_round))
-            round_config["keep-round"] = self.checkpoint_round
+        round_config["state-key"] = self.run_key  # the client's state is this run's alone
+        if self.state_key:  # files that outlive the run: as of which round, and which round to keep
+            round_config.update({"state-round": server_round - 1, "keep-round": self.checkpoint_round})
         return round_config
 
+    @property
+    def run_key(self) -> str:
+        """The run's identity the clients file their state under: ``state_key``, else a random one of this object's."""
+        return self.state_key or self._auto_key
+
     def _hello_config(self, server_round: int) -> ConfigRecord:
-        """With state files: the run's key and the round whose end state a node starts from."""
-        if not self.state_key:
-            return ConfigRecord()
-        return ConfigRecord({"state-key": self.state_key, "state-round": server_round - 1})
+        """The run's key and the round whose end state a node starts from (a train message sends the round)."""
+        return ConfigRecord({"state-key": self.run_key, "state-round": server_round - 1})
 
     def _on_new_node(self, pid: int, node_id: int, version: int, previous: int | None) -> None:
         """Keep the partition's version if the node can start from it; else it gets the full model."""

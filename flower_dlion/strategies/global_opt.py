@@ -77,6 +77,11 @@ class GlobalOptimizer(ServerModelStrategy):
         Wait until this many nodes are connected before sampling.
     min_replies : int (default: 1)
         A round with fewer valid replies applies no update.
+    max_failed_rounds : int (default: 3)
+        After this many rounds in a row with fewer than ``min_replies`` valid replies the run
+        stops: ``aggregate_train`` raises :class:`~flower_dlion.strategies.run_stops.RunStopped`
+        naming the rounds and why the replies were rejected (the history keeps the last round);
+        a round with enough valid replies resets the count. 0 never stops.
     sample_seed : int (default: 0)
         Seed of the partition sampling (round t samples with ``default_rng([seed, t])``).
 
@@ -107,6 +112,7 @@ class GlobalOptimizer(ServerModelStrategy):
         min_available_nodes: int = 2,
         min_replies: int = 1,
         sample_seed: int = 0,
+        max_failed_rounds: int = 3,
     ) -> None:
         if optimizer not in ("lion", "adamw", "sgd"):
             raise ValueError(f"optimizer must be 'lion', 'adamw' or 'sgd', got {optimizer!r}")
@@ -118,6 +124,7 @@ class GlobalOptimizer(ServerModelStrategy):
             min_available_nodes=min_available_nodes,
             min_replies=min_replies,
             sample_seed=sample_seed,
+            max_failed_rounds=max_failed_rounds,
         )
         check_common_args(
             lr=lr,
@@ -251,7 +258,10 @@ class GlobalOptimizer(ServerModelStrategy):
             "num-examples": int(num_examples),
         }
         self.history.append({"round": server_round, **metrics})
+        missing = len(set(self._sent) - checked.answered)
+        why = f"{n} valid of {len(self._sent)} sent ({checked.rejected} rejected, {missing} without a reply)"
         self._sent, self._open_round = {}, 0
+        self._round_outcome(server_round, n, why)  # RunStopped after max_failed_rounds failed rounds
         return self.arrays(), MetricRecord(metrics)
 
     def result_row(self) -> dict[str, int]:

@@ -160,10 +160,14 @@ def run_cell(cell: Cell, out: Path, threads: int | None = None) -> dict[str, Any
     from ..client_app import app as client_app
     from ..local_grid import LocalGrid
     from ..server_app import run_federation
+    from ..strategies.run_stops import RunStopped
 
     work = out / "work" / cell.name
     cfg = {**cell.run_config, "results-dir": str(work)}
-    run_federation(LocalGrid(client_app, cell.num_clients, run_config=cfg), cfg, save_model=False)
+    try:
+        run_federation(LocalGrid(client_app, cell.num_clients, run_config=cfg), cfg, save_model=False)
+    except RunStopped as err:  # a cell that cannot learn (diverged): kept, its summary says so, with the rounds it ran
+        print(f"[sweep] {cell.name}: {err}", flush=True)
     summary = json.loads((work / "summary.json").read_text())
     rows, cum_up, cum_down = [], 0, 0
     for line in (work / "results.jsonl").read_text().splitlines():

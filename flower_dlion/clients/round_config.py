@@ -1,0 +1,226 @@
+"""The options of one round as a D-Lion client reads them: parsed once, every value range-checked.
+
+A train message's ``dlion.config`` ConfigRecord (``protocol``) carries the server's optimizer
+constants and the round's options; the server sends only those that differ from their defaults
+(to save bytes). :meth:`RoundConfig.parse` is the one place a client reads them: the defaults
+are the dataclass's, and every value is checked against its range **before it touches the
+node's state**, so that a hostile or mistaken server (``beta2 = 5``, ``beta1 = NaN``,
+``accumulate = -3``, ``local-steps = 10⁹``) gets a :class:`~.state.ClientStateError` naming the
+node, the key, the value and what is allowed, and the node keeps its state. The local work of a
+round, ``local-steps × accumulate`` batches, is bounded by the client's own ``max_batches``
+(``DLionClient(max_batches=...)``), so that no server can keep a client busy for ever.
+
+The keys that describe the model update itself (``kind``, the Δs' ``lr``, ``weight-decay`` and
+``num-levels``, ``scales``, ``segment-levels``, the anchor) are checked where they are applied
+(:mod:`.replica`). Imports no flwr: a ConfigRecord is read as the mapping it is.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..protocol import STATE_KEY
+from ..uploads import UPLOADS
+from .state import ClientStateError
+
+__all__ = ["MAX_BATCHES", "PROXIMAL_LIMIT", "SCALE_BLOCK_LIMIT", "RoundConfig", "hello_keys"]
+
+MAX_BATCHES = 1000  # default limit on one round's local work (local-steps × accumulate batches)
+PROXIMAL_LIMIT = 1e6  # a server asking for a larger local proximal weight is refused
+SCALE_BLOCK_LIMIT = 1 << 31
+INT_LIMIT = 1 << 62  # versions, rounds and seeds: anything beyond is no count of rounds
+
+
+@dataclass(frozen=True)
+class RoundConfig:
+    """What the server asks of a node this round (``protocol``'s train config; defaults where absent).
+
+    Attributes
+    ----------
+    server_round : int
+        The round, >= 1.
+    version : int
+        The version x is at after this message's update, >= 0.
+    seed : int
+        The run's sampling seed (the client's batch order and coin flips), >= 0.
+    beta1, beta2 : float
+        Lion's interpolation and momentum decay, each in [0, 1).
+    local_steps, accumulate : int
+        Local steps, and batches per step, each >= 1; their product is at most the
+        client's ``max_batches``.
+    local_optimizer : str
+        "lion" or "sgd".
+    local_lr, local_weight_decay : float
+        The local steps' rate and decay: finite, >= 0, ``local_lr · local_weight_decay < 1``;
+        "sgd" needs ``local_lr > 0``.
+    local_proximal_mu : float
+        In [0, :data:`PROXIMAL_LIMIT`].
+    stale_momentum : str
+        "keep", "decay" or "reset".
+    upload : str
+        One of :data:`flower_dlion.uploads.UPLOADS`.
+    scale_block : int
+        In [0, 2**31].
+    momentum_sync, buffers : bool
+        Upload the momentum / the buffers this round.
+    momentum_sync_layers : str
+        Comma-separated layer prefixes whose momentum is synchronized.
+    state_key : str
+        The run's identity (a folder name: 1 to 64 of ``A-Z a-z 0-9 _ -``), "" when absent.
+    state_round : int | None
+        Start from the state as of the end of this round (-1: the newest), None: the round before.
+    keep_round : int
+        The server's latest checkpoint (0: none), >= 0.
+
+    """
+
+    server_round: int
+    version: int
+    beta1: float
+    beta2: float
+    seed: int = 0
+    local_steps: int = 1
+    accumulate: int = 1
+    local_optimizer: str = "lion"
+    local_lr: float = 0.0
+    local_weight_decay: float = 0.0
+    local_proximal_mu: float = 0.0
+    stale_momentum: str = "keep"
+    upload: str = "sign"
+    scale_block: int = 0
+    momentum_sync: bool = False
+    buffers: bool = False
+    momentum_sync_layers: str = ""
+    state_key: str = ""
+    state_round: int | None = None
+    keep_round: int = 0
+
+    @classmethod
+    def parse(cls, record: Mapping[str, Any], node_id: int, *, max_batches: int = MAX_BATCHES) -> RoundConfig:
+        """The round's options from a train message's config, each checked (see the class doc).
+
+        Raises
+        ------
+        ClientStateError
+            Naming the node, the key, the value and what is allowed, for a missing required key
+            (``server-round``, ``version``, ``beta1``, ``beta2``), a value of the wrong type or
+            out of its range, or local work beyond ``max_batches``.
+
+        """
+        r = _Reader(record, node_id)
+        cfg = cls(
+            server_round=r.int("server-round", None, low=1),
+            version=r.int("version", None, low=0),
+            beta1=r.float("beta1", None, low=0.0, below=1.0),
+            beta2=r.float("beta2", None, low=0.0, below=1.0),
+            seed=r.int("seed", 0, low=0),
+            local_steps=r.int("local-steps", 1, low=1),
+            accumulate=r.int("accumulate", 1, low=1),
+            local_optimizer=r.choice("local-optimizer", "lion", ("lion", "sgd")),
+            local_lr=r.float("local-lr", 0.0, low=0.0),
+            local_weight_decay=r.float("local-weight-decay", 0.0, low=0.0),
+            local_proximal_mu=r.float("local-proximal-mu", 0.0, low=0.0, high=PROXIMAL_LIMIT),
+            stale_momentum=r.choice("stale-momentum", "keep", ("keep", "decay", "reset")),
+            upload=r.choice("upload", "sign", tuple(UPLOADS)),
+            scale_block=r.int("scale-block", 0, low=0, high=SCALE_BLOCK_LIMIT),
+            momentum_sync=r.flag("momentum-sync"),
+            buffers=r.flag("buffers"),
+            momentum_sync_layers=r.text("momentum-sync-layers", ""),
+            state_key=r.state_key(),
+            state_round=r.int("state-round", None, low=-1, optional=True),
+            keep_round=r.int("keep-round", 0, low=0),
+        )
+        cfg._check_together(node_id, max_batches)
+        return cfg
+
+    def _check_together(self, node_id: int, max_batches: int) -> None:
+        where = f"node {node_id}: the server's round {self.server_round} config"
+        work = self.local_steps * self.accumulate
+        if work > max_batches:
+            raise ClientStateError(
+                f"{where} asks for local-steps × accumulate = {self.local_steps} × {self.accumulate} = {work} batches, "
+                f"more than this client's limit of {max_batches} (DLionClient(max_batches=...)): refused"
+            )
+        if self.local_lr * self.local_weight_decay >= 1.0:
+            raise ClientStateError(
+                f"{where} has local-lr × local-weight-decay = {self.local_lr} × {self.local_weight_decay} >= 1 "
+                "(x would change sign every step; < 1 allowed): refused"
+            )
+        if self.local_optimizer == "sgd" and not self.local_lr > 0.0:
+            raise ClientStateError(f"{where} has local-optimizer 'sgd' with local-lr {self.local_lr} (> 0 needed)")
+
+
+_MISSING = object()
+
+
+class _Reader:
+    """Reads one key at a time from a config record, with the node named in every error."""
+
+    def __init__(self, record: Mapping[str, Any], node_id: int) -> None:
+        self.record = record
+        self.node_id = node_id
+
+    def _get(self, key: str, default: Any, optional: bool = False) -> Any:
+        value = self.record.get(key, _MISSING)
+        if value is _MISSING:
+            if default is None and not optional:
+                raise ClientStateError(f"node {self.node_id}: the server's train config has no {key!r}: refused")
+            return default
+        return value
+
+    def _refuse(self, key: str, value: Any, allowed: str) -> ClientStateError:
+        return ClientStateError(f"node {self.node_id}: the server sent {key} = {value!r} ({allowed} allowed): refused")
+
+    def int(self, key: str, default: int | None, *, low: int, high: int = INT_LIMIT, optional: bool = False) -> Any:
+        value = self._get(key, default, optional)
+        if value is None:
+            return None
+        if not (isinstance(value, int) and not isinstance(value, bool) and low <= value <= high):
+            raise self._refuse(key, value, f"an int in [{low}, {high}]")
+        return value
+
+    def float(
+        self, key: str, default: float | None, *, low: float, high: float = math.inf, below: float | None = None
+    ) -> float:
+        value = self._get(key, default)
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        ok = ok and low <= value <= high and (below is None or value < below)
+        if not ok:
+            allowed = f"a finite number in [{low:g}, {below:g})" if below is not None else f"a finite number >= {low:g}"
+            if below is None and high < math.inf:
+                allowed = f"a finite number in [{low:g}, {high:g}]"
+            raise self._refuse(key, value, allowed)
+        return float(value)
+
+    def choice(self, key: str, default: str, choices: tuple[str, ...]) -> str:
+        value = self._get(key, default)
+        if value not in choices:
+            raise self._refuse(key, value, f"one of {choices}")
+        return str(value)
+
+    def flag(self, key: str) -> bool:
+        value = self._get(key, 0)
+        if not (isinstance(value, int | bool) and value in (0, 1)):
+            raise self._refuse(key, value, "0 or 1")
+        return bool(value)
+
+    def state_key(self) -> str:
+        value = self.text("state-key", "")
+        if value and not STATE_KEY.fullmatch(value):
+            raise self._refuse("state-key", value, "a folder name of 1 to 64 letters, digits, '_' or '-'")
+        return value
+
+    def text(self, key: str, default: str) -> str:
+        value = self._get(key, default)
+        if not (isinstance(value, str) and len(value) <= 4096):
+            raise self._refuse(key, value, "a string of at most 4096 characters")
+        return value
+
+
+def hello_keys(record: Mapping[str, Any], node_id: int) -> tuple[str, int | None]:
+    """The run's ``state-key`` and ``state-round`` from a hello, checked as in a train message ("" and None: absent)."""
+    r = _Reader(record, node_id)
+    return r.state_key(), r.int("state-round", None, low=-1, optional=True)
