@@ -35,7 +35,8 @@ from flwr.app import Context, RecordDict
 from flwr.common.serde import context_from_proto, context_to_proto
 from flwr.proto.message_pb2 import Context as ProtoContext  # pylint: disable=no-name-in-module
 
-from flower_dlion.clients.state import Expected, HostState, StateStore, crc32, load_state, save_state
+from flower_dlion.clients.state import Expected, HostState, crc32
+from flower_dlion.clients.state_store import StateStore, load_state, save_state
 
 
 def host_state(d: int, dtype: str) -> HostState:

@@ -6,7 +6,8 @@ The public API is two classes, one per side of a Flower app:
 * :class:`DLionClient`, which your ``ClientApp``'s train handler calls with its batches;
 
 and :func:`cosine_decay`, a learning-rate schedule for ``DistributedLion(lr_schedule=...)``;
-:class:`RunStopped` is what ``DistributedLion.start`` raises when the run cannot learn (no valid
+``DistributedLion.start`` returns a :class:`DLionResult` (Flower's ``Result`` with the run's
+byte totals); :class:`RunStopped` is what it raises when the run cannot learn (no valid
 reply for ``max_failed_rounds`` rounds in a row, or no node answered the hello).
 
 The bit codec (:mod:`flower_dlion.codec`) and the Lion math (:mod:`flower_dlion.lion`) import
@@ -22,16 +23,26 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .clients.dlion import ClientSettings, DLionClient
     from .lion import cosine_decay
+    from .strategies.common import DLionResult
     from .strategies.dlion import DistributedLion
     from .strategies.run_stops import RunStopped
 
-__all__ = ["ClientSettings", "DLionClient", "DistributedLion", "RunStopped", "__version__", "cosine_decay"]
+__all__ = [
+    "ClientSettings",
+    "DLionClient",
+    "DLionResult",
+    "DistributedLion",
+    "RunStopped",
+    "__version__",
+    "cosine_decay",
+]
 
 __version__ = "0.2.0"
 
 _LAZY = {
     "ClientSettings": ".clients.dlion",
     "DLionClient": ".clients.dlion",
+    "DLionResult": ".strategies.common",
     "DistributedLion": ".strategies.dlion",
     "RunStopped": ".strategies.run_stops",
     "cosine_decay": ".lion",

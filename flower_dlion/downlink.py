@@ -149,7 +149,9 @@ def step_counts(
     d = counts.numel()
     fusable = anchor.dtype == torch.float32 and counts.dtype == torch.int32 and anchor.is_contiguous()
     if fusable and counts.is_contiguous() and (fast := accel.choose("step_counts", counts.device, d)) is not None:
-        return fast(anchor, counts, packed, num_levels, decay, step, out=out, scratch=scratch)  # one pass
+        done = fast(anchor, counts, packed, num_levels, decay, step, out=out, scratch=scratch, anchored=anchored)
+        if done is not None:  # one pass; None: the kernel would round otherwise than ``anchored`` here
+            return done
     levels = codec.decode_levels(packed, num_levels, d, torch.uint8)
     new_counts, x = out if out is not None else (torch.empty_like(counts), torch.empty_like(anchor))
     if num_levels == 2:  # L = 2·bit − 1

@@ -122,6 +122,7 @@ __all__ = [
     "TERNGRAD_STYPE",
     "UPLOAD",
     "USER_CONFIG",
+    "ClientStateError",
     "RejectedReply",
     "bits_array",
     "check_envelope",
@@ -162,6 +163,10 @@ GRAD_MODEL = "grad.model"
 GRAD_UPDATE = "grad.update"
 GRAD_METRICS = "grad.metrics"
 TERNGRAD_STYPE = "terngrad.v1"
+
+
+class ClientStateError(RuntimeError):
+    """The node's stored state or configuration cannot serve the message it received (the server resyncs it)."""
 
 
 class RejectedReply(ValueError):

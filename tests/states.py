@@ -12,7 +12,8 @@ from flwr.app import Context, RecordDict
 from flower_dlion.clients.placement import Placement
 from flower_dlion.clients.replica import Apply, apply_message
 from flower_dlion.clients.resident import NodeState, Replica, ReplicaPool
-from flower_dlion.clients.state import HostState, crc32, load_state, read_state_header
+from flower_dlion.clients.state import HostState, crc32, read_state_header
+from flower_dlion.clients.state_store import load_state
 from flower_dlion.params import ModelSpec
 
 CPU = torch.device("cpu")

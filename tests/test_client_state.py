@@ -29,16 +29,8 @@ import flower_dlion
 from flower_dlion import DistributedLion, DLionClient, accel, codec, downlink, entropy
 from flower_dlion.clients.link import REPROBE, ContextChoice, DecodeCost
 from flower_dlion.clients.placement import Placement
-from flower_dlion.clients.state import (
-    ClientStateError,
-    Expected,
-    HostState,
-    StateRefused,
-    StateStore,
-    check_state,
-    crc32,
-    save_state,
-)
+from flower_dlion.clients.state import ClientStateError, Expected, HostState, StateRefused, check_state, crc32
+from flower_dlion.clients.state_store import StateStore, save_state
 from flower_dlion.lion import anchored
 from flower_dlion.local_grid import LocalGrid
 

@@ -25,18 +25,18 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
 from flower_dlion import DistributedLion
-from flower_dlion.clients.round_config import RoundConfig
 from flower_dlion.clients.state import (
     ClientStateError,
     HostState,
-    StateStore,
     crc32,
     read_state_file,
     read_state_header,
     write_state_file,
 )
+from flower_dlion.clients.state_store import StateStore
 from flower_dlion.local_grid import LocalGrid
 from flower_dlion.protocol import BROADCAST, CONFIG, HELLO, HELLO_ACTION
+from flower_dlion.round_records import RoundConfig
 
 from .byom import ByomNet
 from .states import load

@@ -768,7 +768,7 @@ def test_fused_step_runs_only_where_it_rounds_like_torch(monkeypatch: pytest.Mon
     probes._FUSED_EXACT.clear()
     monkeypatch.setattr(cpu, "kernels", numba_pack)
     fused = functools.partial(cpu._lion_pack_one_thread, probes.lion_coefs(0.9, 0.99))
-    assert probes.fused_step_matches_torch(fused, 0.9, 0.99, torch.device("cpu"))
+    assert probes.fused_step_matches_torch(fused, lion.local_step_, 0.9, 0.99, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("mode", MODES)

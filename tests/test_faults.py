@@ -23,7 +23,8 @@ from flower_dlion.client_app import app as client_app
 from flower_dlion.client_app import dlion
 from flower_dlion.clients.common import inject_failure
 from flower_dlion.clients.fedavg import _attack
-from flower_dlion.clients.state import crc32, read_state_file, save_state
+from flower_dlion.clients.state import crc32, read_state_file
+from flower_dlion.clients.state_store import save_state
 from flower_dlion.config import read_config
 from flower_dlion.lion import anchored
 from flower_dlion.local_grid import LocalGrid

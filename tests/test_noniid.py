@@ -449,7 +449,7 @@ def test_stale_momentum_decays_or_resets_by_the_rounds_missed(
     policy: str, before: int | None, after: int, want: list[float]
 ) -> None:
     from flower_dlion.clients.local_work import age_momentum
-    from flower_dlion.clients.round_config import RoundConfig
+    from flower_dlion.round_records import RoundConfig
 
     state = node_at(np.zeros(2), after, torch.tensor([4.0, -2.0]))
     age_momentum(state, before, RoundConfig(server_round=1, version=after, beta1=0.9, beta2=0.5, stale_momentum=policy))
@@ -457,7 +457,7 @@ def test_stale_momentum_decays_or_resets_by_the_rounds_missed(
 
 
 def test_unknown_stale_momentum_is_refused_and_bad_arguments_fail_early() -> None:
-    from flower_dlion.clients.round_config import ClientStateError, RoundConfig
+    from flower_dlion.round_records import ClientStateError, RoundConfig
 
     sent = ConfigRecord({"server-round": 2, "version": 1, "beta1": 0.9, "beta2": 0.99, "stale-momentum": "forget"})
     with pytest.raises(ClientStateError, match=r"node 5: the server sent stale-momentum = 'forget' \(one of"):

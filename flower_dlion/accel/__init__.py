@@ -3,7 +3,9 @@
 What Distributed Lion computes is written once, in torch and numpy: the Lion math in
 :mod:`flower_dlion.lion`, the wire formats in :mod:`flower_dlion.codec`. This package holds
 faster ways of computing exactly the same bytes and floats (the tests compare them bit for
-bit), and nothing else:
+bit), and nothing else. It is the lower layer: its modules import torch, numpy, numba or
+Triton, each other and the formats' shared definitions (:mod:`flower_dlion.formats`), never
+the codec, the downlink or the Lion math that call them (``tests/test_layers.py``):
 
 ============================  ===============================================================
 module                        what
@@ -15,12 +17,17 @@ module                        what
 :mod:`.numba_team`            running those kernels on torch's own OpenMP threads
 :mod:`.triton_kernels`        kernels: the same on a CUDA device
 :mod:`.threads`               splitting a pass over torch's CPU threads (used by both sides)
+:mod:`.probes`                whether a fused kernel rounds as torch's composition, checked once
 ============================  ===============================================================
 
-A codec function asks :func:`choose` for its accelerated twin, which has the codec
-function's own signature, and calls it, or runs its reference code where there is none
-(as lion-pytorch picks ``update_fn`` once): callers of the codec never see which one ran.
-The choice depends on the device type, the size and ``FLOWER_DLION_KERNELS``:
+A codec function asks :func:`choose` for the accelerated twin of itself, or of one of its
+steps, and calls it, or runs its reference code where there is none (as lion-pytorch picks
+``update_fn`` once): callers of the codec never see which one ran. A twin returns its result
+and leaves the rest to its caller (a CPU pack returns the bits and the zeros' masks, the codec
+flips the coins). Where a kernel must round as a composition of torch operations does, the
+caller passes that reference in (``lion.local_step_``, ``lion.anchored``), the twin compares
+on a probe once (:mod:`.probes`) and returns None where it would differ: the caller then runs
+the reference. The choice depends on the device type, the size and ``FLOWER_DLION_KERNELS``:
 
 - ``auto`` (default): Triton on a CUDA device; numba on the CPU from 2²⁰ values up (below
   that, numpy is within a millisecond, and a Deployment Engine ClientApp, one process per
@@ -57,10 +64,11 @@ def mode() -> str:
 
 
 def choose(name: str, device: torch.device, size: int) -> Callable[..., Any] | None:
-    """The accelerated twin of the codec function ``name`` for ``size`` values on ``device``, or None.
+    """The accelerated twin named ``name`` for ``size`` values on ``device``, or None.
 
-    None means: run the reference code. The twin takes the same arguments as the codec
-    function and returns the same bytes and floats.
+    None means: run the reference code. The twin (of a codec or downlink function, or of a
+    step of one: its docstring says which) takes that function's arguments and returns the
+    same bytes and floats, or None where it cannot on this machine (run the reference then).
     """
     setting = mode()
     large = size >= KERNELS_FROM or setting == "on"

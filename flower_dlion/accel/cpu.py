@@ -1,12 +1,14 @@
-"""The codec's functions on the CPU, on the numba kernels: the same signatures, bytes and floats.
+"""The codec's functions (or steps of them) on the CPU, on the numba kernels: the same bytes and floats.
 
 :func:`flower_dlion.accel.choose` hands these out (numba installed; from 2²⁰ values up under
-``FLOWER_DLION_KERNELS=auto``, at every size under ``on``). Each one takes the arguments of
-the :mod:`flower_dlion.codec` function of the same name, for inputs the codec has checked it
-can take (float32, contiguous, in host memory), and runs the kernels of
-:mod:`.numba_pack` / :mod:`.numba_count` on torch's CPU threads (:mod:`.threads`). Where a
-kernel would round differently from torch on this machine (checked once on a probe), the
-twin runs the reference composition itself.
+``FLOWER_DLION_KERNELS=auto``, at every size under ``on``). Each one is the twin of the
+:mod:`flower_dlion.codec` (or :mod:`flower_dlion.downlink`) function or step its docstring
+names, takes its arguments, for inputs the caller has checked it can take (float32,
+contiguous, in host memory), runs the kernels of :mod:`.numba_pack` / :mod:`.numba_count` on
+torch's CPU threads (:mod:`.threads`) and returns its result; the caller does what follows
+(the packs' coin flips). Where a kernel would round differently from torch on this machine
+(checked once on a probe, against the reference the caller passes), the twin returns None and
+the caller runs the reference.
 """
 
 from __future__ import annotations
@@ -19,11 +21,11 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from .. import codec, downlink, lion
+from ..formats import POW3, as_uint8, encoded_size, packed_size, trit_table, zero_mask_words
 from . import numba_count as count_kernels
 from . import numba_pack as kernels
 from . import threads
-from .probes import fused_step_matches_torch, lion_coefs, torch_steps
+from .probes import LocalStep, fused_step_matches_torch, lion_coefs, torch_steps
 
 __all__ = [
     "apply_levels_",
@@ -32,36 +34,26 @@ __all__ = [
     "decode_trits",
     "encode_trits",
     "levels_from_planes",
-    "pack_local_step_",
-    "pack_signs",
+    "lion_pack",
+    "pack_positive",
     "step_counts",
 ]
 
 Payload = torch.Tensor | bytes | np.ndarray
+Anchored = Callable[[torch.Tensor, torch.Tensor, float, float], torch.Tensor]  # lion.anchored: x from xₐ and C
 
 
 # --------------------------------------------------------------------------- a vector
-def pack_signs(
-    v: torch.Tensor, generator: torch.Generator | None = None, *, flips: list[int] | None = None
-) -> torch.Tensor:
-    """:func:`flower_dlion.codec.pack_signs` of a float32 CPU vector: each value read once, packed in registers."""
-    packed, zeros = _pack_positive(v.contiguous().numpy())
-    if zeros is not None:  # set a coin flip's bit at each exact zero
-        codec.set_coin_flips(packed, zeros, generator)
-    if flips is not None:
-        flips.append(codec.count_mask_bits(zeros))
-    return torch.from_numpy(packed)
-
-
-def _pack_positive(v: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+def pack_positive(v: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
     """Bits of ``v > 0`` packed, and the masks of ``v``'s exact zeros by group of 64 (None: no zero).
 
-    The kernel only reports whether there is a zero; the masks take a second, compare-only
-    pass when there is (writing them in the pack slowed the pack without zeros,
-    docs/PERFORMANCE.md).
+    The step of :func:`flower_dlion.codec.pack_signs` before the coin flips, on a float32
+    CPU vector: each value read once, packed in registers. The kernel only reports whether
+    there is a zero; the masks take a second, compare-only pass when there is (writing them
+    in the pack slowed the pack without zeros, docs/PERFORMANCE.md).
     """
     d = v.size
-    out = np.empty(codec.packed_size(d), dtype=np.uint8)
+    out = np.empty(packed_size(d), dtype=np.uint8)
     groups, grain = -(-d // kernels.BLOCK), (1 << 20) // kernels.BLOCK  # waking a thread costs tens of µs
     if (team := threads.team("pack", d)) is not None:  # on torch's threads, awake after its operations
         found = team[0].pack_positive(v, out, team[1])
@@ -69,7 +61,7 @@ def _pack_positive(v: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         found = any(threads.on_threads(lambda a, b: kernels.pack_positive(v, out, a, b), groups, grain))
     if not found:
         return out, None
-    zeros = codec.zero_mask_words(d)  # the second pass on the same threads (the team's spin a while after a run)
+    zeros = zero_mask_words(d)  # the second pass on the same threads (the team's spin a while after a run)
     if team is not None:
         team[0].zero_masks(v, zeros, team[1])
     else:
@@ -77,56 +69,52 @@ def _pack_positive(v: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
     return out, zeros
 
 
-def pack_local_step_(
-    m: torch.Tensor,
-    g: torch.Tensor,
-    beta1: float,
-    beta2: float,
-    generator: torch.Generator | None = None,
-    *,
-    flips: list[int] | None = None,
-) -> torch.Tensor:
-    """:func:`flower_dlion.codec.pack_local_step_` of float32 CPU vectors in one pass (m contiguous)."""
+def lion_pack(
+    m: torch.Tensor, g: torch.Tensor, beta1: float, beta2: float, *, local_step: LocalStep
+) -> tuple[np.ndarray, np.ndarray | None] | None:
+    """A Lion step of float32 CPU vectors (m contiguous) in one pass: δ > 0 packed, its zeros' masks, ``m`` updated.
+
+    The step of :func:`flower_dlion.codec.pack_local_step_` before the coin flips, as
+    :func:`pack_positive` of ``local_step(m, g, β₁, β₂)`` (the reference, ``lion.local_step_``)
+    would give it: the masks mark the zero directions (None: none). None, with ``m`` untouched,
+    where the kernel rounds otherwise than ``local_step`` on this machine (a probe, once).
+    """
     coefs = lion_coefs(beta1, beta2)
-    if not fused_step_matches_torch(functools.partial(_lion_pack_one_thread, coefs), beta1, beta2, m.device):
-        return codec.pack_signs(lion.local_step_(m, g, beta1, beta2), generator, flips=flips)
+    fused = functools.partial(_lion_pack_one_thread, coefs)
+    if not fused_step_matches_torch(fused, local_step, beta1, beta2, m.device):
+        return None
     d = m.numel()
     mh, gh = m.numpy().reshape(-1), g.contiguous().numpy().reshape(-1)  # views (torch's reshape costs µs)
-    packed, zeros = np.empty(codec.packed_size(d), dtype=np.uint8), codec.zero_mask_words(d)
+    packed, zeros = np.empty(packed_size(d), dtype=np.uint8), zero_mask_words(d)
     if (team := threads.team("lion_pack", d)) is not None:
         found = [team[0].lion_pack(mh, gh, coefs, packed, zeros, team[1])]
     else:
         found = threads.on_threads(
             lambda a, b: kernels.lion_pack(mh, gh, coefs, packed, zeros, a, b), zeros.size, 1 << 13
         )
-    if any(found):  # zero directions: coin flips, drawn as pack_signs draws them
-        codec.set_coin_flips(packed, zeros, generator)
-    if flips is not None:
-        flips.append(codec.count_mask_bits(zeros) if any(found) else 0)
-    return torch.from_numpy(packed)
+    return packed, (zeros if any(found) else None)  # zero directions: the caller flips their coins
 
 
 def _lion_pack_one_thread(coefs: tuple[np.float32, ...], m: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """The kernel's fused step on one thread (for the probe): δ > 0 packed, ``m`` updated."""
-    packed, zeros = np.empty(codec.packed_size(m.numel()), np.uint8), codec.zero_mask_words(m.numel())
+    packed, zeros = np.empty(packed_size(m.numel()), np.uint8), zero_mask_words(m.numel())
     kernels.lion_pack(m.numpy(), g.numpy(), coefs, packed, zeros, 0, zeros.size)
     return torch.from_numpy(packed)
 
 
 def apply_levels_(
     x: torch.Tensor, levels: torch.Tensor, num_levels: int, lr: float, weight_decay: float
-) -> torch.Tensor:
+) -> torch.Tensor | None:
     """:func:`flower_dlion.codec.apply_levels_` in one pass over a float32 CPU ``x`` and its levels.
 
     Each value goes through the same float32 operations as the composition; the L possible
     steps ``lr·Δ`` are compared with torch's own ones first (where torch would round one
-    differently, the composition runs).
+    differently: None, ``x`` untouched, and the caller runs the composition).
     """
     d, top, lr32 = x.numel(), num_levels - 1, np.float32(lr)
     steps = (np.arange(-top, top + 1, 2, dtype=np.int64).astype(np.float32) / np.float32(top)) * lr32
     if not np.array_equal(steps.view(np.int32), torch_steps(x.device, num_levels, float(lr)).numpy().view(np.int32)):
-        codec.check_levels(levels, num_levels)
-        return lion.apply_update_(x, codec.levels_to_values(levels, num_levels), lr, weight_decay)
+        return None
     decay = np.float32(1.0 - lr * weight_decay)  # the factor x.mul_ rounds to float32
     xh, kh = x.reshape(-1).numpy(), levels.reshape(-1).contiguous().numpy()
     if kh.dtype in (np.uint8, np.int32) and (team := threads.team("apply", d)) is not None:
@@ -152,21 +140,21 @@ def step_counts(
     *,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     scratch: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    anchored: Anchored,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """:func:`flower_dlion.downlink.step_counts` in two passes: the Δ's levels as bytes, then C' and x' in one.
 
     The second pass reads 9 bytes a value and writes 8 (the composition: nine passes and
     four temporaries). ``scratch`` is not needed: the levels go to a buffer kept per thread.
+    ``anchored``: the reference, ``lion.anchored``; where the kernel's x' is not its bits on
+    this machine (a probe, once), None, nothing written, and the caller runs the composition.
     """
     d = counts.numel()
     if num_levels not in (2, 3):
         raise ValueError(f"the anchored downlink takes a vote (2 or 3 levels), got {num_levels} levels")
+    if not _anchored_matches_torch(anchored):
+        return None
     new_counts, x = out if out is not None else (torch.empty_like(counts), torch.empty_like(anchor))
-    if not _anchored_matches_torch():
-        signs = downlink.levels_to_signs(codec.decode_levels(packed, num_levels, d), num_levels)
-        torch.add(counts, signs, out=new_counts)
-        x.copy_(lion.anchored(anchor, new_counts, decay, step))
-        return new_counts, x
     levels = _levels_into(packed, num_levels, d)  # ValueError for a corrupted payload, before anything is written
     work = functools.partial(
         kernels.step_counts, levels, 2 if num_levels == 2 else 1, counts.numpy(), anchor.numpy(),
@@ -178,10 +166,10 @@ def step_counts(
 
 def _levels_into(packed: torch.Tensor, num_levels: int, d: int) -> np.ndarray:
     """A Δ's ``d`` levels (``sign1`` or ``trit5`` bytes) as uint8, in this thread's reused buffer."""
-    p = codec.as_uint8(packed).numpy()
-    if p.size != codec.encoded_size(d, num_levels):
+    p = as_uint8(packed).numpy()
+    if p.size != encoded_size(d, num_levels):
         raise ValueError(
-            f"expected {codec.encoded_size(d, num_levels)} bytes for {d} values of {num_levels} levels, got {p.size}"
+            f"expected {encoded_size(d, num_levels)} bytes for {d} values of {num_levels} levels, got {p.size}"
         )
     cache = _THREAD.__dict__.setdefault("levels", {})
     size = 8 * p.size if num_levels == 2 else 5 * p.size  # levels a byte holds
@@ -193,15 +181,15 @@ def _levels_into(packed: torch.Tensor, num_levels: int, d: int) -> np.ndarray:
         planes = p.reshape(1, -1)
         threads.on_threads(lambda first, last: kernels.planes_to_levels(planes, words, first, last), p.size, 1 << 17)
     else:
-        lut = codec.trit_table(packed.device).numpy()
+        lut = trit_table(packed.device).numpy()
         work = functools.partial(kernels.trits_to_levels, p, lut, buf)
         if max(threads.on_threads(work, p.size, 1 << 18), default=0) > 242:
             raise ValueError("trit5 byte above 242 (3^5 - 1): corrupted payload")
     return buf[:d]
 
 
-def _anchored_matches_torch() -> bool:
-    """Whether the kernel's x' is ``lion.anchored``'s, bit for bit, on a probe (checked once per process)."""
+def _anchored_matches_torch(anchored: Anchored) -> bool:
+    """Whether the kernel's x' is ``anchored``'s (``lion.anchored``), bit for bit, on a probe (once per process)."""
     if not _ANCHORED_EXACT:
         gen = torch.Generator().manual_seed(0)
         d = 3 * 2**10 + 7
@@ -209,7 +197,7 @@ def _anchored_matches_torch() -> bool:
         counts = torch.randint(-300, 300, (d,), generator=gen, dtype=torch.int32)
         levels = torch.randint(0, 3, (d,), generator=gen, dtype=torch.int32)
         decay, step = 0.9961743216, 3.0517e-4
-        expected = lion.anchored(anchor, counts + levels - 1, decay, step)
+        expected = anchored(anchor, counts + levels - 1, decay, step)
         got_c, got_x = torch.empty_like(counts), torch.empty_like(anchor)
         kernels.step_counts(
             levels.to(torch.uint8).numpy(), 1, counts.numpy(), anchor.numpy(), got_c.numpy(), got_x.numpy(),
@@ -227,13 +215,13 @@ def encode_trits(k: torch.Tensor) -> torch.Tensor:
     k8, out, whole = k.to(torch.uint8).numpy(), np.empty((d + 4) // 5, dtype=np.uint8), d // 5
     threads.on_threads(lambda first, last: kernels.levels_to_trits(k8, out, first, last), whole, 1 << 18)
     if d % 5:  # the partial last group
-        out[whole] = sum(int(v) * p for v, p in zip(k8[5 * whole :], codec.POW3, strict=False))
+        out[whole] = sum(int(v) * p for v, p in zip(k8[5 * whole :], POW3, strict=False))
     return torch.from_numpy(out)
 
 
 def decode_trits(p: torch.Tensor, d: int, dtype: torch.dtype) -> torch.Tensor:
     """``d`` levels from ``trit5`` bytes in host memory: each byte's digits from the table, the largest on the way."""
-    t, lut, k8 = p.numpy(), codec.trit_table(p.device).numpy(), np.empty(5 * p.numel(), dtype=np.uint8)
+    t, lut, k8 = p.numpy(), trit_table(p.device).numpy(), np.empty(5 * p.numel(), dtype=np.uint8)
     work = functools.partial(kernels.trits_to_levels, t, lut, k8)
     largest = max(threads.on_threads(work, t.size, 1 << 18), default=0)
     if largest > 242:
@@ -257,7 +245,7 @@ _THREAD = threading.local()  # per thread: the count kernels' scratch planes, by
 
 def count_ones(payloads: Sequence[Payload], d: int) -> torch.Tensor:
     """:func:`flower_dlion.codec.count_ones` of payloads in host memory, from the planes in cache."""
-    nbytes, num_planes = codec.packed_size(d), len(payloads).bit_length()
+    nbytes, num_planes = packed_size(d), len(payloads).bit_length()
     counts = np.empty(64 * ((nbytes + 7) // 8), dtype=np.int32)  # 64 per word; the spare ones are cut off
     words = Payloads(payloads, nbytes)
     words.run(
@@ -271,7 +259,7 @@ def count_ones(payloads: Sequence[Payload], d: int) -> torch.Tensor:
 
 def count_planes(payloads: Sequence[Payload], d: int, *, chunk_words: int = 1 << 16) -> torch.Tensor:
     """:func:`flower_dlion.codec.count_planes` of payloads in host memory (8 kB chunks; ``chunk_words`` unused)."""
-    nbytes, num_planes = codec.packed_size(d), max(1, len(payloads).bit_length())
+    nbytes, num_planes = packed_size(d), max(1, len(payloads).bit_length())
     planes = np.empty((num_planes, (nbytes + 7) // 8), dtype=np.uint64)
     words = Payloads(payloads, nbytes)
     words.count(planes)
@@ -294,7 +282,7 @@ def _host_bytes(p: Payload) -> np.ndarray:
     """A payload in host memory as a 1-D uint8 numpy array (a ``bytes`` payload read in place)."""
     if isinstance(p, bytes | bytearray):
         return np.frombuffer(p, dtype=np.uint8)
-    return np.ascontiguousarray(codec.as_uint8(p))
+    return np.ascontiguousarray(as_uint8(p))
 
 
 class Payloads:

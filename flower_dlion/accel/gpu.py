@@ -1,10 +1,12 @@
-"""The codec's functions on a CUDA device, on the Triton kernels: the same signatures, bytes and floats.
+"""The codec's functions on a CUDA device, on the Triton kernels: the same arguments, bytes and floats.
 
 :func:`flower_dlion.accel.choose` hands these out on a CUDA device unless
 ``FLOWER_DLION_KERNELS=off`` or Triton is missing. Each one takes the arguments of the
 :mod:`flower_dlion.codec` function of the same name, for inputs the codec has checked it can
 take (float32 or levels, contiguous, on one device), and is one launch of
-:mod:`.triton_kernels` that nothing waits for: no host synchronization on the way.
+:mod:`.triton_kernels` that nothing waits for: no host synchronization on the way. The fused
+Lion step also takes the reference step (``lion.local_step_``) for its probe, and returns None
+where the kernel would round otherwise: the codec then runs the composition.
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from .. import codec, lion
+from ..formats import as_uint8, check_levels
 from . import triton_kernels as kernels
-from .probes import fused_step_matches_torch, lion_coefs, torch_steps
+from .probes import LocalStep, fused_step_matches_torch, lion_coefs, torch_steps
 
 __all__ = ["apply_levels_", "count_ones", "count_planes", "pack_local_step_", "pack_signs"]
 
@@ -44,11 +46,16 @@ def pack_local_step_(
     generator: torch.Generator | None = None,
     *,
     flips: list[int] | None = None,
-) -> torch.Tensor:
-    """:func:`flower_dlion.codec.pack_local_step_` of float32 vectors on one CUDA device, in one launch."""
+    local_step: LocalStep,
+) -> torch.Tensor | None:
+    """:func:`flower_dlion.codec.pack_local_step_` of float32 vectors on one CUDA device, in one launch.
+
+    None (``m`` and ``flips`` untouched) where the kernel rounds otherwise than ``local_step``,
+    the reference ``lion.local_step_``, on this device (a probe, once per β₁, β₂).
+    """
     coefs = tuple(map(float, lion_coefs(beta1, beta2)))
-    if not fused_step_matches_torch(functools.partial(_lion_pack_probe, coefs), beta1, beta2, m.device):
-        return codec.pack_signs(lion.local_step_(m, g, beta1, beta2), generator, flips=flips)
+    if not fused_step_matches_torch(functools.partial(_lion_pack_probe, coefs), local_step, beta1, beta2, m.device):
+        return None
     if flips is not None:  # the mix's exact zeros, as lion.direction computes the mix
         flips.append(int(torch.count_nonzero(m.mul(beta1).add_(g, alpha=1.0 - beta1) == 0)))
     return kernels.lion_pack(m.view(-1), g.reshape(-1).contiguous(), coefs, generator)  # pack_signs's coins
@@ -66,15 +73,15 @@ def apply_levels_(
     steps = torch_steps(x.device, num_levels, float(lr))  # torch's own lr·Δ of every level
     bad = kernels.apply_levels(x.view(-1), levels.view(-1), steps, float(np.float32(1.0 - lr * weight_decay)))
     if bad.read():
-        codec.check_levels(levels, num_levels)
+        check_levels(levels, num_levels)  # the flag may be another call's: check exactly
     return x
 
 
 def count_ones(payloads: Sequence[torch.Tensor], d: int) -> torch.Tensor:
     """:func:`flower_dlion.codec.count_ones` of payloads in GPU memory: per-value counters in registers."""
-    return kernels.count_ones([codec.as_uint8(p) for p in payloads], d)
+    return kernels.count_ones([as_uint8(p) for p in payloads], d)
 
 
 def count_planes(payloads: Sequence[torch.Tensor], d: int, *, chunk_words: int = 1 << 16) -> torch.Tensor:
     """:func:`flower_dlion.codec.count_planes` of payloads in GPU memory (``chunk_words`` is the reference's)."""
-    return kernels.count_planes([codec.as_uint8(p) for p in payloads], d)
+    return kernels.count_planes([as_uint8(p) for p in payloads], d)

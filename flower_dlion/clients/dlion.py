@@ -56,7 +56,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from torch import nn
 
@@ -71,21 +71,14 @@ from ..protocol import (
     sync_prefixes,
     to_array,
 )
+from ..round_records import MAX_BATCHES, ReplyMetrics, RoundConfig, hello_keys
 from .link import ContextChoice, DecodeCost
 from .local_work import LocalWork, Tamper, age_momentum, synced_momentum, upload_arrays
 from .placement import Placement
 from .replica import Apply, apply_message
 from .resident import NodeState, ReplicaPool, Residents, device_memory
-from .round_config import MAX_BATCHES, RoundConfig, hello_keys
-from .state import (
-    CONTEXT_LIMIT,
-    ClientStateError,
-    Expected,
-    StateStore,
-    default_state_dir,
-    node_label,
-    wait_for_writes,
-)
+from .state import CONTEXT_LIMIT, ClientStateError, Expected, default_state_dir, node_label
+from .state_store import StateStore, wait_for_writes
 
 __all__ = ["ClientSettings", "ClientStateError", "DLionClient", "DeviceMemoryError", "Tamper", "resolve_device"]
 
@@ -123,7 +116,7 @@ class ClientSettings:
         ``link-mbps`` if it has one, else the client never asks.
     max_batches : int (default: 1000)
         The most batches one round may take (``local-steps × accumulate``): a server that asks
-        for more is refused (:class:`~.round_config.RoundConfig`), so none can keep the node busy
+        for more is refused (:class:`~flower_dlion.round_records.RoundConfig`), so none can keep the node busy
         for ever.
 
     """
@@ -299,9 +292,12 @@ class DLionClient:
         msg, context
             What your ``@app.train()`` handler received.
         batches : Iterable
-            Where the round's batches come from, e.g. your ``DataLoader``: the round takes
-            ``local-steps × accumulate`` batches (1 by default) from a fresh iterator,
-            starting over when it runs out.
+            Where the round's batches come from, e.g. your ``DataLoader`` or a list: the round
+            takes ``local-steps × accumulate`` batches (1 by default) from a fresh
+            ``iter(batches)``, starting over with a new one when it runs out (2 batches and 5
+            local steps: b₀ b₁ b₀ b₁ b₀; a shuffling ``DataLoader`` reshuffles each pass).
+            Empty batches, or an iterator or generator that is used up (it cannot start over),
+            fail the round with a ``ValueError`` that says so: an error reply, the state kept.
         tamper : Tamper | None (default: None)
             For fault studies only: what an attacking node changes (:class:`Tamper`).
 
@@ -313,41 +309,24 @@ class DLionClient:
 
         """
         settings = self.settings(context)
-        device = resolve_device(settings.device)
-        here = self._on(device, settings)
+        here = self._on(resolve_device(settings.device), settings)
         spec = here.bound.spec
-        if CONFIG not in msg.content:
-            raise ClientStateError(
-                f"node {context.node_id}: a train message with records {sorted(msg.content.keys())}, not "
-                f"DistributedLion's '{CONFIG}': does the ServerApp start DistributedLion?"
-            )
-        cfg = RoundConfig.parse(msg.content[CONFIG], context.node_id, max_batches=settings.max_batches)
-        as_of = cfg.server_round - 1 if cfg.state_round is None else cfg.state_round
-        store, owner = self._store(context, spec.d, cfg.state_key, as_of, cfg.keep_round)
+        cfg = self._read_config(msg, context, settings)
+        store, owner = self._store(context, spec.d, cfg.state_key, cfg.as_of, cfg.keep_round)
         choice = self._choice(owner, settings, context)
-        env = Apply(here.placement, here.pool, spec, context.node_id, self._seed_fn, choice)
         lived, self._served = self._served > 0, self._served + 1
         node = self._start(here, store, owner, context)
         held = None
         try:
             before = None if node is None else node.version
-            try:
-                node = apply_message(msg.content, node, env)
-            except ClientStateError as err:
-                if node is None:  # say where its state was looked for (a deleted file, a lost context)
-                    raise ClientStateError(f"{err} (its state: {store.where()})") from err
-                raise
-            except (KeyError, TypeError, ValueError) as err:  # a record or key missing, a value of another type
-                raise ClientStateError(
-                    f"node {context.node_id}: the server's round {cfg.server_round} message is malformed "
-                    f"({type(err).__name__}: {err}): refused"
-                ) from err
+            env = Apply(here.placement, here.pool, spec, context.node_id, self._seed_fn, choice, cfg)
+            node = self._catch_up(msg, cfg, node, env, store)  # 1. the replica at the server's version
             here.pool.hold(held := node.replica)  # nothing recycles it while this message runs
-            reply = self._round(msg, cfg, context, node, before, here, batches, tamper)
-            host = here.placement.node_to_host(node, settings.momentum_dtype)
-            host.owner, host.layout = owner, layout_fingerprint(spec.layout)
+            reply = self._round(msg, cfg, context, node, before, here, batches, tamper)  # 2.–4.
             if choice.keeps and node.replica.depth == 2 and choice.wanted():
                 reply.content[METRICS]["context"] = node.version  # code the next Δ with the two before it
+            host = here.placement.node_to_host(node, settings.momentum_dtype)  # 5. persisted, kept resident
+            host.owner, host.layout = owner, layout_fingerprint(spec.layout)
             node.stamp, node.pending = store.save(host, background=lived)
             here.residents.put(owner, node)
         except torch.cuda.OutOfMemoryError as err:
@@ -360,6 +339,31 @@ class DLionClient:
             if held is not None:
                 here.pool.release(held)
         return reply
+
+    @staticmethod
+    def _read_config(msg: Message, context: Context, settings: ClientSettings) -> RoundConfig:
+        """The round's options, checked (:class:`RoundConfig`), from a message that must be DistributedLion's."""
+        if CONFIG not in msg.content:
+            raise ClientStateError(
+                f"node {context.node_id}: a train message with records {sorted(msg.content.keys())}, not "
+                f"DistributedLion's '{CONFIG}': does the ServerApp start DistributedLion?"
+            )
+        return RoundConfig.parse(msg.content[CONFIG], context.node_id, max_batches=settings.max_batches)
+
+    @staticmethod
+    def _catch_up(msg: Message, cfg: RoundConfig, node: NodeState | None, env: Apply, store: StateStore) -> NodeState:
+        """The node at the server's version (:func:`apply_message`); what cannot be applied is refused by name."""
+        try:
+            return apply_message(msg.content, node, env)
+        except ClientStateError as err:
+            if node is None:  # say where its state was looked for (a deleted file, a lost context)
+                raise ClientStateError(f"{err} (its state: {store.where()})") from err
+            raise
+        except (KeyError, TypeError, ValueError) as err:  # a record or key missing, a value of another type
+            raise ClientStateError(
+                f"node {env.node_id}: the server's round {cfg.server_round} message is malformed "
+                f"({type(err).__name__}: {err}): refused"
+            ) from err
 
     def _round(
         self,
@@ -395,7 +399,15 @@ class DLionClient:
         if here.grad is None:
             here.grad = torch.empty(spec.d, device=device)
         replica = (node.replica.x, node.replica.ident)
-        work = LocalWork(bound, self.loss_fn, batches, accumulate=cfg.accumulate, out=here.grad, replica=replica)
+        work = LocalWork(
+            bound,
+            self.loss_fn,
+            batches,
+            accumulate=cfg.accumulate,
+            out=here.grad,
+            replica=replica,
+            node_id=context.node_id,
+        )
         flips: list[int] = []  # how many signs were coin flips (exact zeros of the Lion mix)
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(_seed(seed, key, server_round, 1))  # the batches' shuffles, dropout
@@ -409,14 +421,14 @@ class DLionClient:
         if tamper is not None:
             arrays = tamper.arrays(arrays)
         node.round = server_round
-        metrics = {
-            "num-examples": work.num_examples,
-            "train-loss": sum(work.losses) / len(work.losses),
-            "version": node.version,
-            "checksum": node.replica.checksum,
-            "coin-flips": sum(flips),
-        }
-        return Message(content=RecordDict({UPLOAD: ArrayRecord(arrays), METRICS: MetricRecord(metrics)}), reply_to=msg)
+        metrics = ReplyMetrics(
+            num_examples=work.num_examples,
+            train_loss=sum(work.losses) / len(work.losses),
+            version=node.version,
+            checksum=node.replica.checksum,
+            coin_flips=sum(flips),
+        )
+        return Message(content=RecordDict({UPLOAD: ArrayRecord(arrays), METRICS: metrics.to_record()}), reply_to=msg)
 
     # ------------------------------------------------------------------ the node's state
     def _start(self, here: _Device, store: StateStore, owner: str, context: Context) -> NodeState | None:

@@ -21,9 +21,9 @@ from flwr.app import Array, ArrayRecord
 from .. import codec, lion, quantizers
 from ..params import Binding, LossFn
 from ..protocol import SIGN_STYPE, bits_array
+from ..round_records import PROXIMAL_LIMIT, RoundConfig
 from ..uploads import UPLOADS, Shape
 from .resident import NodeState
-from .round_config import PROXIMAL_LIMIT, RoundConfig
 from .state import ClientStateError
 
 __all__ = [
@@ -59,6 +59,14 @@ class Tamper:
 class LocalWork:
     """The gradients of one round: ``accumulate`` batches per local step, from a fresh iterator.
 
+    The round's K·A batches come from ``iter(batches)``, made anew each round, starting over with
+    a new ``iter(batches)`` when it runs out: 2 batches and K = 5 local steps give b₀ b₁ b₀ b₁ b₀
+    (a shuffling ``DataLoader`` reshuffles at each new pass; ``num_examples`` counts each batch
+    each time it is used). Where a fresh ``iter(batches)`` gives no batch either, ``ValueError``
+    says why: ``batches`` is empty, or it is an iterator or generator that is used up (it gives
+    its batches once: a round that needs more than it has left fails). The message names the node
+    when ``node_id`` is given; the client keeps nothing of a round that raises (its state stays).
+
     ``out``: a buffer for the flat gradient, reused by every step (the caller uses each gradient
     before it asks for the next). ``replica``: the (x, key) of the round's replica; a gradient
     at that x tells the model its key (:meth:`Binding.load_x_`: loaded once per version).
@@ -73,14 +81,17 @@ class LocalWork:
         accumulate: int,
         out: torch.Tensor | None = None,
         replica: tuple[torch.Tensor, object] | None = None,
+        node_id: int | None = None,
     ) -> None:
         self.bound, self.loss_fn, self.batches, self.accumulate, self.out = bound, loss_fn, batches, accumulate, out
         self.replica = replica
+        self.node_id = node_id
         self._it: Iterator[Any] | None = None
         self.losses: list[float] = []
         self.num_examples = 0
 
     def _next_batch(self) -> Any:
+        """The round's next batch, from a new ``iter(batches)`` when the current one runs out (or ValueError)."""
         for fresh in (False, True):
             if self._it is None or fresh:
                 self._it = iter(self.batches)
@@ -88,7 +99,22 @@ class LocalWork:
                 return next(self._it)
             except StopIteration:
                 continue
-        raise ValueError("batches is empty: the round needs at least one batch")
+        raise ValueError(self._no_batch())
+
+    def _no_batch(self) -> str:
+        """Why ``batches`` gave no batch: empty, or an iterator that is used up."""
+        who = "" if self.node_id is None else f"node {self.node_id}: "
+        kind = type(self.batches).__name__
+        if isinstance(self.batches, Iterator):  # iter() returns it, as it is: one pass only
+            return (
+                f"{who}batches is used up: it is an iterator ({kind}), which gives its batches once, and it ran out "
+                f"after {len(self.losses)} batches this round (a round takes local-steps × accumulate batches, "
+                "starting over when they run out); pass something that can be iterated again (a DataLoader, a list)"
+            )
+        return (
+            f"{who}batches is empty: the round needs at least one batch, and the {kind} gave none (an empty "
+            "partition? a DataLoader with drop_last=True and fewer examples than its batch_size?)"
+        )
 
     def gradient(self, x: torch.Tensor, step: int) -> torch.Tensor:
         """Mean gradient at x over the ``accumulate`` batches of local step ``step``."""

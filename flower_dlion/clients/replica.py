@@ -33,7 +33,7 @@ import math
 import time
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -42,12 +42,13 @@ from flwr.app import RecordDict
 from .. import codec, downlink, entropy, quantizers
 from ..params import ModelSpec, layout_fingerprint, state_checksum
 from ..protocol import BROADCAST, CODED_STYPE, CONFIG, LEVELS_STYPE, REST, SEED_MISMATCH
+from ..round_records import RoundConfig
 from .link import ContextChoice
 from .placement import Placement
 from .resident import NodeState, Replica, ReplicaPool
 from .state import ClientStateError, crc32
 
-__all__ = ["SCALE_LIMIT", "Apply", "SeedFn", "apply_message", "scale_sizes"]
+__all__ = ["SCALE_LIMIT", "Apply", "SeedFn", "apply_message"]
 
 SCALE_LIMIT = 1e6  # a Δ's per-tensor scale is in steps of lr: no Lion update is a million steps
 
@@ -64,6 +65,7 @@ class Apply:
     node_id: int  # for messages
     seed_fn: SeedFn | None = None  # builds x₀ from a seed
     context: ContextChoice | None = None  # keeps the coder context (the client may ask for Δs coded with it)
+    round: RoundConfig | None = None  # the round's options, checked (None: read from the message)
 
     @property
     def d(self) -> int:
@@ -78,7 +80,9 @@ class Apply:
 def apply_message(content: RecordDict, node: NodeState | None, env: Apply) -> NodeState:
     """The node at the version the server sent: ``node``'s own state with a new replica, or a new node."""
     round_config = content[CONFIG]
-    kind, version = round_config["kind"], int(round_config["version"])
+    if env.round is None:
+        env = replace(env, round=RoundConfig.parse(round_config, env.node_id))
+    kind, version = round_config["kind"], env.round.version
     if kind == "full" or (node is None and "init-seed" in round_config):
         _check_layout(round_config, env.spec, env.node_id)
     if kind == "counts" or (kind == "full" and "anchor-version" in round_config):
@@ -122,7 +126,8 @@ def apply_message(content: RecordDict, node: NodeState | None, env: Apply) -> No
 def _apply_anchored(content: RecordDict, node: NodeState | None, env: Apply) -> NodeState:
     """The anchored downlink: the base (own replica, x₀ from the seed, or the anchor sent), then the count segments."""
     round_config = content[CONFIG]
-    kind, version, node_id = round_config["kind"], int(round_config["version"]), env.node_id
+    assert env.round is not None
+    kind, version, node_id = round_config["kind"], env.round.version, env.node_id
     m, error, rest = (env.zeros(), None, {}) if node is None else (node.m, node.error, node.rest)
     if kind == "full":  # the anchor, then the counts since it
         anchor = _full_x(content, env.d, node_id)
@@ -153,11 +158,11 @@ def _apply_anchored(content: RecordDict, node: NodeState | None, env: Apply) -> 
     previous, undo, replica = -1, b"", base
     if "segment-end" in round_config:
         segments = _segments(content, round_config, node_id)
-        limit = int(round_config["anchor-every"]) * int(round_config.get("local-steps", 1))
+        limit = int(round_config["anchor-every"]) * env.round.local_steps
         try:
             replica, undo = _advance(base, segments, limit, env)
         except ValueError as err:  # CodingError too
-            raise ClientStateError(f"node {node_id}, round {round_config['server-round']}: {err}: refused") from err
+            raise ClientStateError(f"node {node_id}, round {env.round.server_round}: {err}: refused") from err
         if undo:
             previous = base.version
     if replica.version != version:
@@ -296,7 +301,8 @@ def _undo(replica: Replica, node: NodeState, env: Apply) -> Replica:
 def _apply_deltas(content: RecordDict, base: Replica, env: Apply, *, skip: int) -> Replica:
     """X ← x − lr·(Δ + wd·x) for each received Δ after the first ``skip`` (those x already has), into a new replica."""
     round_config, d, node_id = content[CONFIG], env.d, env.node_id
-    sizes = scale_sizes(env.spec.sizes, round_config, node_id)
+    assert env.round is not None
+    sizes = quantizers.scale_blocks(env.spec.sizes, env.round.scale_block)
     arr = content[BROADCAST]["payload"]
     if arr.stype != LEVELS_STYPE:
         raise ClientStateError(f"node {node_id}: update stype {arr.stype!r}, expected {LEVELS_STYPE!r}")
@@ -308,7 +314,7 @@ def _apply_deltas(content: RecordDict, base: Replica, env: Apply, *, skip: int) 
     if not all(isinstance(s, float | int) and 0.0 <= s <= SCALE_LIMIT for s in scales):  # also refuses nan
         bad = next(s for s in scales if not (isinstance(s, float | int) and 0.0 <= s <= SCALE_LIMIT))
         raise ClientStateError(f"node {node_id}: a Δ scale is {bad!r}, outside [0, {SCALE_LIMIT:g}]: refused")
-    version = int(round_config["version"])
+    version = env.round.version
     if version - int(round_config["base-version"]) != len(steps):
         base_version = round_config["base-version"]
         raise ClientStateError(f"node {node_id}: {len(steps)} Δs from version {base_version} to {version}")
@@ -430,14 +436,6 @@ def _received_rest(content: RecordDict, env: Apply) -> dict[str, torch.Tensor]:
             raise ClientStateError(f"node {node_id}: {e.name!r} has non-finite values")
         rest[e.name] = env.placement.to_device(a)
     return rest
-
-
-def scale_sizes(sizes: list[int], round_config: dict, node_id: int) -> list[int]:
-    """The values under each scale of an upload or a Δ: the tensors cut into ``scale-block`` blocks (0: whole)."""
-    block = round_config.get("scale-block", 0)
-    if not (isinstance(block, int) and not isinstance(block, bool) and 0 <= block <= 1 << 31):
-        raise ClientStateError(f"node {node_id}: scale-block {block!r} (an int in [0, 2**31] allowed): refused")
-    return quantizers.scale_blocks(sizes, block)
 
 
 def _check_steps(round_config: dict, node_id: int) -> list[tuple[int, float, float]]:

@@ -28,38 +28,37 @@ numba kernels on the CPU, Triton kernels on a CUDA device — the function asks
 
 Three modules, one per side of the wire: :mod:`.signs` (a client's δ: pack, unpack, coin flips,
 the fused Lion step + pack), :mod:`.votes` (the server's count of n payloads and the vote's or
-the mean's levels from it), :mod:`.levels` (Δ's levels: encode, decode, values, apply).
+the mean's levels from it), :mod:`.levels` (Δ's levels: encode, decode, apply). The formats'
+names, sizes, trit table and level values live below both this package and the twins, in
+:mod:`flower_dlion.formats` (a twin never imports the codec), and are re-exported here.
 """
 
-from .levels import (
+from ..formats import (
     POW3,
     SIGN1,
     TRIT5,
-    apply_levels_,
+    as_uint8,
     check_levels,
-    decode_levels,
-    encode_levels,
     encoded_size,
     level_format,
     levels_to_values,
-    planes_to_counts,
+    packed_size,
     trit_table,
+    zero_mask_words,
 )
+from .levels import apply_levels_, decode_levels, encode_levels, planes_to_counts
 from .signs import (
-    as_uint8,
     count_mask_bits,
     pack_bits,
     pack_local_step_,
     pack_signs,
-    packed_size,
     set_coin_flips,
     unpack_bits,
     unpack_signs,
-    zero_mask_words,
 )
 from .votes import PackedAggregate, aggregate_packed, count_ones, count_planes, majority_masks
 
-__all__ = [  # POW3, count_mask_bits, set_coin_flips, trit_table, zero_mask_words: for accel's twins
+__all__ = [  # with the formats' shared definitions (flower_dlion.formats), re-exported
     "POW3",
     "SIGN1",
     "TRIT5",

@@ -1,54 +1,26 @@
-"""The broadcast's format: Δ as integer levels (``sign1``, ``trit5``, ``planesB``), their values, applying them."""
+"""The broadcast's format: Δ as integer levels (``sign1``, ``trit5``, ``planesB``): encoding, decoding, applying."""
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 import torch
 
 from .. import accel
+from ..formats import (
+    POW3,
+    SIGN1,
+    TRIT5,
+    as_uint8,
+    check_levels,
+    encoded_size,
+    level_format,
+    levels_to_values,
+    trit_table,
+)
 from ..lion import apply_update_
-from .signs import as_uint8, pack_bits, packed_size, unpack_bits
+from .signs import pack_bits, unpack_bits
 
-__all__ = [
-    "POW3",
-    "SIGN1",
-    "TRIT5",
-    "apply_levels_",
-    "check_levels",
-    "decode_levels",
-    "encode_levels",
-    "encoded_size",
-    "level_format",
-    "levels_to_values",
-    "planes_to_counts",
-    "trit_table",
-]
-
-SIGN1 = "sign1"
-TRIT5 = "trit5"
-POW3 = (1, 3, 9, 27, 81)  # the weights of a trit5 byte's five digits
-
-
-def level_format(num_levels: int) -> tuple[str, int]:
-    """The format used for ``num_levels`` levels and its bits per value (or 0 for trit5)."""
-    if num_levels < 2:
-        raise ValueError(f"num_levels must be >= 2, got {num_levels}")
-    if num_levels == 2:
-        return SIGN1, 1
-    if num_levels == 3:
-        return TRIT5, 0
-    b = math.ceil(math.log2(num_levels))
-    return f"planes{b}", b
-
-
-def encoded_size(d: int, num_levels: int) -> int:
-    """Bytes used by :func:`encode_levels` for ``d`` values of ``num_levels`` levels."""
-    fmt, b = level_format(num_levels)
-    if fmt == TRIT5:
-        return (d + 4) // 5
-    return b * packed_size(d)
+__all__ = ["apply_levels_", "decode_levels", "encode_levels", "planes_to_counts"]
 
 
 def encode_levels(k: torch.Tensor, num_levels: int) -> torch.Tensor:
@@ -77,18 +49,6 @@ def encode_levels(k: torch.Tensor, num_levels: int) -> torch.Tensor:
         )  # packbits packs every nonzero byte as a 1 bit
     k = k.to(torch.int32)
     return torch.cat([pack_bits(((k >> j) & 1).bool()) for j in range(b)])
-
-
-_TRIT_LUT_CACHE: dict[torch.device, torch.Tensor] = {}
-
-
-def trit_table(device: torch.device) -> torch.Tensor:
-    """256 × 5 table: the five base-3 digits of every byte value."""
-    if device not in _TRIT_LUT_CACHE:
-        byte = torch.arange(256, dtype=torch.int32)
-        digits = torch.stack([(byte // p) % 3 for p in POW3], dim=1).to(torch.uint8)
-        _TRIT_LUT_CACHE[device] = digits.to(device)
-    return _TRIT_LUT_CACHE[device]
 
 
 def decode_levels(
@@ -140,20 +100,6 @@ def _levels_from_planes(planes: torch.Tensor, d: int, dtype: torch.dtype) -> tor
     return torch.from_numpy(k8 if dtype == torch.uint8 else k8.astype(np.int32))
 
 
-def levels_to_values(k: torch.Tensor, num_levels: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Map levels to update values: ``Δ = (2k − (L−1)) / (L−1)``.
-
-    The numerator is an exact integer and the one division is correctly rounded, so the
-    server and every client (CPU or GPU) get bit-identical Δ from the same levels. The
-    divisor is a tensor on ``k``'s device: divided by a Python number, torch's CUDA kernel
-    multiplies by the number's rounded reciprocal instead, 1 ulp off for some levels of
-    L − 1 = 7, 11, 12, … (the mean of that many votes), and GPU replicas would drift from
-    the server's x.
-    """
-    top = num_levels - 1
-    return (2 * k.to(torch.int32) - top).to(dtype) / torch.full((), top, dtype=dtype, device=k.device)
-
-
 def planes_to_counts(planes: torch.Tensor, d: int) -> torch.Tensor:
     """The per-coordinate counts (int32) from :func:`count_planes`."""
     counts = torch.zeros(d, dtype=torch.int32, device=planes.device)
@@ -183,13 +129,7 @@ def apply_levels_(
         and (x.is_cpu or (levels.dtype in (torch.uint8, torch.int32) and levels.is_contiguous()))
     )
     if fusable and (fast := accel.choose("apply_levels_", x.device, x.numel())) is not None:
-        return fast(x, levels, num_levels, lr, weight_decay)
+        if (done := fast(x, levels, num_levels, lr, weight_decay)) is not None:  # None: it would round otherwise
+            return done
     check_levels(levels, num_levels)
     return apply_update_(x, levels_to_values(levels, num_levels), lr, weight_decay)
-
-
-def check_levels(levels: torch.Tensor, num_levels: int) -> None:
-    """A ``ValueError`` unless every level is in ``0 … num_levels−1``."""
-    top = num_levels - 1
-    if levels.numel() and not 0 <= int((bounds := torch.aminmax(levels)).min) <= int(bounds.max) <= top:
-        raise ValueError(f"level outside 0…{top}: corrupted update")

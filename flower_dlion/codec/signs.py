@@ -7,40 +7,20 @@ import torch
 
 from .. import accel
 from ..accel import threads
+from ..formats import MASKS, as_uint8, packed_size
 from ..lion import local_step_
 
 __all__ = [
-    "as_uint8",
     "count_mask_bits",
     "pack_bits",
     "pack_local_step_",
     "pack_signs",
-    "packed_size",
     "set_coin_flips",
     "unpack_bits",
     "unpack_signs",
-    "zero_mask_words",
 ]
 
 _SHIFTS = (7, 6, 5, 4, 3, 2, 1, 0)  # bit j of a byte holds element j (MSB first)
-
-
-def packed_size(d: int) -> int:
-    """Bytes needed for ``d`` bits: ⌈d/8⌉."""
-    return (d + 7) // 8
-
-
-def as_uint8(buf: torch.Tensor | bytes | np.ndarray) -> torch.Tensor:
-    """View received bytes as a 1-D uint8 tensor without copying where possible."""
-    if isinstance(buf, torch.Tensor):
-        if buf.dtype != torch.uint8 or buf.dim() != 1:
-            raise ValueError(f"packed data must be a 1-D uint8 tensor, got {buf.dtype} {tuple(buf.shape)}")
-        return buf
-    if isinstance(buf, np.ndarray):
-        return torch.from_numpy(np.ascontiguousarray(buf, dtype=np.uint8).reshape(-1))
-    if len(buf) == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    return torch.frombuffer(bytearray(buf), dtype=torch.uint8)
 
 
 def pack_bits(bits: torch.Tensor) -> torch.Tensor:
@@ -79,23 +59,19 @@ def pack_signs(
     drawn from ``generator`` (unbiased; seed it for reproducible runs). On the CPU (float32)
     numpy compares and packs 256 k values at a time on torch's threads, and each group of
     64 values that holds a zero takes one random 64-bit word for its coins
-    (:func:`set_coin_flips`); the fused kernels (:mod:`flower_dlion.accel`) give the same
-    bytes. A CUDA device's kernel draws the coins itself, from Philox at a counter the
+    (:func:`set_coin_flips`); the numba kernel (:mod:`flower_dlion.accel`) gives the same
+    bits and masks. A CUDA device's kernel draws the coins itself, from Philox at a counter the
     generator hands out. Elsewhere it is tensor operations on ``v``'s device
     (``torch.randint`` coins for all d values, used at the zeros).
 
     ``flips``: a list to append the number of coin flips (exact zeros) to.
     """
     v = v if v.dim() == 1 else v.reshape(-1)
+    if v.is_cpu and v.dtype == torch.float32:  # one pass on torch's threads: numpy's, or the kernel's
+        pack_positive = accel.choose("pack_positive", v.device, v.numel()) or _pack_positive_numpy
+        return _flip_coins(*pack_positive(v.contiguous().numpy()), generator, flips)
     if v.dtype == torch.float32 and (fast := accel.choose("pack_signs", v.device, v.numel())) is not None:
-        return fast(v, generator, flips=flips)
-    if v.is_cpu and v.dtype == torch.float32:
-        packed, zeros = _pack_positive_numpy(v.contiguous().numpy())  # one pass on torch's threads
-        if zeros is not None:  # set a coin flip's bit at each exact zero
-            set_coin_flips(packed, zeros, generator)
-        if flips is not None:
-            flips.append(count_mask_bits(zeros))
-        return torch.from_numpy(packed)
+        return fast(v, generator, flips=flips)  # a CUDA device's kernel: it draws the coins itself
     bits = v > 0
     zeros = v == 0
     if flips is not None:
@@ -106,7 +82,18 @@ def pack_signs(
     return pack_bits(bits)
 
 
-_MASKS = np.dtype("<u8")  # zero masks, a word per 64 values: viewed as bytes, laid out as the packed bits
+def _flip_coins(
+    packed: np.ndarray, zeros: np.ndarray | None, generator: torch.Generator | None, flips: list[int] | None
+) -> torch.Tensor:
+    """The CPU pack's last step: ``packed`` with a coin flip at each of ``zeros`` (None: no zero), as a tensor.
+
+    ``flips``: as :func:`pack_signs`'s (the number of zeros is appended).
+    """
+    if zeros is not None:  # set a coin flip's bit at each exact zero
+        set_coin_flips(packed, zeros, generator)
+    if flips is not None:
+        flips.append(count_mask_bits(zeros))
+    return torch.from_numpy(packed)
 
 
 def count_mask_bits(zeros: np.ndarray | None) -> int:
@@ -118,19 +105,14 @@ def count_mask_bits(zeros: np.ndarray | None) -> int:
     return int(np.unpackbits(zeros.view(np.uint8)).sum())
 
 
-def zero_mask_words(d: int) -> np.ndarray:
-    """⌈d/64⌉ mask words for a kernel to write whole (not zeroed: a memset would be one more pass)."""
-    return np.empty(-(-d // 64), dtype=_MASKS)
-
-
 def set_coin_flips(packed: np.ndarray, zeros: np.ndarray, generator: torch.Generator | None) -> None:
     """Set a fair coin flip's bit in ``packed`` wherever ``zeros`` has one (``packed`` has a 0 bit there).
 
     ``zeros`` holds the masks of the exact zeros in the packed layout, a word per 64 values
-    (:data:`_MASKS`: its bytes are ``np.packbits(v == 0)``). The j-th group of 64 values with
-    a zero takes the j-th uniform 64-bit word that ``generator`` draws (``random_(-2**63)``,
-    every bit pattern equally likely), and its zeros take that word's bits at their own
-    positions: the word's little-endian bytes are the group's 8 bytes of coins. So a lone zero
+    (:data:`flower_dlion.formats.MASKS`: its bytes are ``np.packbits(v == 0)``). The j-th group
+    of 64 values with a zero takes the j-th uniform 64-bit word that ``generator`` draws
+    (``random_(-2**63)``, every bit pattern equally likely), and its zeros take that word's bits
+    at their own positions: the word's little-endian bytes are the group's 8 bytes of coins. So a lone zero
     costs one draw, and a vector that is half zeros (a sum of two local directions) d/64 draws
     and a few passes over d/8 bytes (``benchmarks/zero_pack.py``).
     """
@@ -139,9 +121,9 @@ def set_coin_flips(packed: np.ndarray, zeros: np.ndarray, generator: torch.Gener
     coins = zeros[k] & words.numpy().view(np.uint64)
     whole = packed.size // 8
     full = k < whole  # all but a partial last group
-    packed[: 8 * whole].view(_MASKS)[k[full]] |= coins[full]
+    packed[: 8 * whole].view(MASKS)[k[full]] |= coins[full]
     if k.size and not full[-1]:  # the partial last group's bytes
-        packed[8 * whole :] |= coins[-1:].astype(_MASKS).view(np.uint8)[: packed.size - 8 * whole]
+        packed[8 * whole :] |= coins[-1:].astype(MASKS).view(np.uint8)[: packed.size - 8 * whole]
 
 
 def pack_local_step_(
@@ -164,8 +146,15 @@ def pack_local_step_(
     ``flips``: as :func:`pack_signs`'s.
     """
     fusable = m.dtype == g.dtype == torch.float32 and m.is_contiguous() and g.numel() == m.numel()
-    if fusable and m.device == g.device and (fast := accel.choose("pack_local_step_", m.device, m.numel())):
-        return fast(m, g, beta1, beta2, generator, flips=flips)
+    if fusable and m.device == g.device:  # a twin probes its rounding on the reference step; None: run that here
+        if m.is_cpu and (fast := accel.choose("lion_pack", m.device, m.numel())) is not None:
+            step = fast(m, g, beta1, beta2, local_step=local_step_)  # δ's bits, its zeros' masks; m updated
+            if step is not None:
+                return _flip_coins(*step, generator, flips)  # the coins as pack_signs draws them
+        elif not m.is_cpu and (fast := accel.choose("pack_local_step_", m.device, m.numel())) is not None:
+            packed = fast(m, g, beta1, beta2, generator, flips=flips, local_step=local_step_)  # coins drawn in it
+            if packed is not None:
+                return packed
     return pack_signs(local_step_(m, g, beta1, beta2), generator, flips=flips)
 
 
@@ -197,7 +186,7 @@ def _pack_positive_numpy(v: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
     threads.on_threads(pack, -(-d // _CHUNK), _CHUNKS_PER_THREAD)
     if not found:
         return out, None
-    zeros = np.zeros(-(-d // 64), dtype=_MASKS)
+    zeros = np.zeros(-(-d // 64), dtype=MASKS)
     zero_bytes = zeros.view(np.uint8)
     for start, b in found:
         zero_bytes[start : start + b.size] = b

@@ -9,8 +9,8 @@ import numpy as np
 import torch
 
 from .. import accel
-from .levels import TRIT5, _levels_from_planes, encode_levels, level_format, planes_to_counts
-from .signs import as_uint8, packed_size
+from ..formats import TRIT5, as_uint8, level_format, packed_size
+from .levels import _levels_from_planes, encode_levels, planes_to_counts
 
 __all__ = ["PackedAggregate", "aggregate_packed", "count_ones", "count_planes", "majority_masks"]
 

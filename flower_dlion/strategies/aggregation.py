@@ -178,7 +178,7 @@ class ReplyAggregation(ServerModelStrategy):
 
         Signs broadcast exactly (the default) are aggregated from their packed bits
         (:func:`codec.aggregate_packed`: no d-sized integer array); the other forms from S
-        (Σ|S| is 0 for the float S of scaled signs, whose agreement is not reported).
+        (Σ|S| is 0 for the float S of scaled signs: ``_round_metrics`` reports their signs' agreement).
         """
         k = self._lion_steps
         if self.upload == "sign" and self.broadcast_bits == 0:  # the levels of sign(S) or S/n; Δ is K times them
@@ -275,7 +275,12 @@ class ReplyAggregation(ServerModelStrategy):
         tie_fraction: float,
         agreement: float,
     ) -> dict[str, int | float]:
-        """The round's row: replies, faults, bytes as measured and as fp32 would have been, coin flips."""
+        """The round's row: replies, faults, bytes as measured and as fp32 would have been, coin flips.
+
+        Each key, its range in an honest run and when it signals a problem: docs/GUIDE.md, "The
+        round's metrics". ``agreement`` is mean |S| / (n·K) for signs and sums; for ef-sign, whose
+        S sums scaled signs (``_apply`` gives NaN), the same of the uploaded signs, mean |Σᵢ ±1| / n.
+        """
         d, n = self.num_parameters, len(valid)
         bytes_up = sum(message_bytes(msg) for msg in replies)
         flip_fraction = self._coin_flip_fraction(valid, rnd.server_round)
@@ -284,6 +289,9 @@ class ReplyAggregation(ServerModelStrategy):
         total = sum(examples)
         clipped, self._clipped = self._clipped, 0
         fp32_extra = sum(4 * d - len(r.upload.data) for r in valid)  # each valid reply's U as float32 instead
+        if applied and math.isnan(agreement):  # ef-sign: S sums scaled signs; the agreement of the signs instead
+            ones = codec.count_ones([r.upload.data for r in valid], d)  # votes for +1; Σ signs = 2·ones − n
+            agreement = int(ones.mul_(2).sub_(n).abs_().sum(dtype=torch.int64)) / (d * n)
         return {
             "num-replies": n,
             "num-rejected": checked.rejected,

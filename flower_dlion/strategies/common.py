@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import math
+import pprint
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
+from flwr.serverapp.strategy.result import format_value
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 from flwr.supercore import log
 
@@ -29,7 +31,7 @@ from ..params import Entry, ModelSpec
 from ..protocol import HELLO, HELLO_ACTION, RejectedReply, error_text, to_array
 from .run_stops import FailedRounds, RunStopped, nodes_text, short_reason, whole_reason
 
-__all__ = ["CheckedReplies", "Layout", "ServerModelStrategy", "check_common_args", "spec_of_arrays"]
+__all__ = ["CheckedReplies", "DLionResult", "Layout", "ServerModelStrategy", "check_common_args", "spec_of_arrays"]
 
 HELLO_TYPE = f"{MessageType.QUERY}.{HELLO_ACTION}"
 
@@ -44,6 +46,42 @@ class CheckedReplies(Generic[R]):
     valid: list[R] = field(default_factory=list)  # what the check made of each valid reply, in arrival order
     answered: set[int] = field(default_factory=set)  # nodes that replied, validly or not
     rejected: int = 0  # replies refused (malformed, stale, an error, a node's second reply)
+
+
+TOTALS = ("num-replies", "num-rejected", "num-failed", "bytes-up", "bytes-down", "bytes-up-fp32", "bytes-down-fp32")
+"""The per-round metrics that :meth:`ServerModelStrategy.run_totals` sums over the run (those the strategy reports)."""
+
+
+@dataclass
+class DLionResult(Result):
+    """Flower's ``Result`` (what ``start`` returns) with the run's totals.
+
+    Attributes
+    ----------
+    totals : MetricRecord
+        Sums over every round in the strategy's ``history`` (a resumed run's from round 1),
+        from what the strategy measured on each round's train messages and their replies
+        (hellos and evaluate messages are not counted): ``rounds`` (rounds aggregated),
+        ``rounds-applied`` (rounds whose update was applied), ``num-replies`` (valid replies),
+        ``num-rejected``, ``num-failed`` (sampled nodes without a reply), ``bytes-up``,
+        ``bytes-down`` (measured), ``bytes-up-fp32``, ``bytes-down-fp32`` (the same messages with
+        float32 payloads), and ``fp32-over-sent-up`` / ``fp32-over-sent-down`` (how many times
+        fewer bytes than float32 were sent). A strategy that measures no bytes (the gradient
+        baselines) has only the counts.
+
+    """
+
+    totals: MetricRecord = field(default_factory=MetricRecord)
+
+    def __repr__(self) -> str:
+        """Flower's representation, then the run's totals."""
+        totals = {key: format_value(value) for key, value in self.totals.items()}
+        return (
+            super().__repr__()
+            + "\nRun totals (result.totals):\n"
+            + pprint.pformat(totals, indent=2, sort_dicts=False)
+            + "\n"
+        )
 
 
 def check_common_args(*, lr: float, weight_decay: float, betas: dict[str, float]) -> None:
@@ -68,6 +106,27 @@ def spec_of_arrays(arrays: dict[str, np.ndarray]) -> ModelSpec:
     if not arrays:
         raise ValueError("initial ArrayRecord is empty")
     return ModelSpec(tuple(Entry(name, tuple(a.shape), str(a.dtype), "trainable") for name, a in arrays.items()))
+
+
+def totals_line(totals: MetricRecord) -> str:
+    """The closing log line of ``start``: rounds, replies and, where measured, the bytes against float32's.
+
+    The repository's default run, in process: ``[flower-dlion] run totals (result.totals): 200 rounds,
+    2000 replies: 72.08 MB up, 114.16 MB down (fp32 would have been 2250.10 / 2250.58 MB: 31.2× / 19.7×
+    fewer)`` (MB: 10⁶ bytes); rejected replies and nodes without a reply are said where there were any.
+    """
+    rounds, replies = totals["rounds"], totals.get("num-replies", 0)
+    line = f"[flower-dlion] run totals (result.totals): {rounds} rounds, {replies} replies"
+    for key, what in (("num-rejected", "rejected"), ("num-failed", "without a reply")):
+        if totals.get(key):
+            line += f", {totals[key]} {what}"
+    if "bytes-up" in totals:
+        up, down, up32, down32 = (float(totals[f"bytes-{k}"]) / 1e6 for k in ("up", "down", "up-fp32", "down-fp32"))
+        line += (
+            f": {up:.2f} MB up, {down:.2f} MB down (fp32 would have been {up32:.2f} / {down32:.2f} MB: "
+            f"{float(totals['fp32-over-sent-up']):.1f}× / {float(totals['fp32-over-sent-down']):.1f}× fewer)"
+        )
+    return line
 
 
 class ServerModelStrategy(Strategy):
@@ -156,6 +215,7 @@ class ServerModelStrategy(Strategy):
         self._outbox: list[Message] = []  # the train messages of the round in progress
         self._evaluating: set[int] = set()  # nodes sent an evaluate message this round
         self.num_rounds = 0  # the last round of the run in progress (set by start)
+        self.history: list[dict[str, Any]] = []  # one dict of metrics per aggregated round (subclasses fill it)
 
     @property
     def num_parameters(self) -> int:
@@ -470,7 +530,7 @@ class ServerModelStrategy(Strategy):
         *,
         start_round: int = 1,
         on_round_end: Callable[[int], Any] | None = None,
-    ) -> Result:
+    ) -> DLionResult:
         """Flower's ``Strategy.start`` loop, from ``start_round`` (a resume), with a per-round hook.
 
         As Flower's: rounds ``start_round`` … ``num_rounds`` of configure/send/aggregate
@@ -478,6 +538,14 @@ class ServerModelStrategy(Strategy):
         ``evaluate_fn(round, arrays)``; ``evaluate_fn(0, …)`` before round 1 (not when
         resuming). ``on_round_end(round)`` runs after each round's evaluation (the server app
         writes checkpoints there).
+
+        Returns
+        -------
+        DLionResult
+            Flower's ``Result`` plus ``totals``: the run's bytes up and down, as measured and as
+            float32 would have been, replies and rounds (:meth:`run_totals`), also logged as the
+            closing line, ``[flower-dlion] run totals (result.totals): …``.
+
         """
         log(INFO, "Starting %s strategy (rounds %d to %d):", type(self).__name__, start_round, num_rounds)
         self.summary()
@@ -485,7 +553,7 @@ class ServerModelStrategy(Strategy):
         self.num_rounds = num_rounds
         train_config = ConfigRecord() if train_config is None else train_config
         evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
-        result = Result()
+        result = DLionResult()
         t_start = time.time()
         arrays = initial_arrays
         if evaluate_fn and start_round == 1:
@@ -517,9 +585,28 @@ class ServerModelStrategy(Strategy):
             if on_round_end:
                 on_round_end(current_round)
         log(INFO, "Strategy execution finished in %.2fs", time.time() - t_start)
+        result.totals = self.run_totals()
         for line in io.StringIO(str(result)):
             log(INFO, "\t%s", line.strip("\n"))
+        log(INFO, "%s", totals_line(result.totals))
         return result
+
+    def run_totals(self) -> MetricRecord:
+        """The run's totals over every round in ``history`` (what :attr:`DLionResult.totals` holds).
+
+        ``rounds`` and ``rounds-applied``, then the sum of each metric of :data:`TOTALS` that every
+        round reports, and, with the bytes, ``fp32-over-sent-up`` / ``-down``: the float32 bytes
+        over the bytes sent.
+        """
+        rows = self.history
+        totals: dict[str, int | float] = {"rounds": len(rows), "rounds-applied": sum(int(r["applied"]) for r in rows)}
+        for key in TOTALS:
+            if rows and all(key in r for r in rows):
+                totals[key] = sum(int(r[key]) for r in rows)
+        for way in ("up", "down"):
+            if f"bytes-{way}" in totals:
+                totals[f"fp32-over-sent-{way}"] = totals[f"bytes-{way}-fp32"] / max(totals[f"bytes-{way}"], 1)
+        return MetricRecord(totals)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

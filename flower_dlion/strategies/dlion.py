@@ -27,7 +27,6 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Result
 from flwr.supercore import log
 
 from .. import entropy, quantizers
@@ -36,6 +35,7 @@ from ..params import LayoutError, ModelSpec, layer_mask, state_checksum
 from ..protocol import STATE_KEY, RejectedReply, checksum
 from ..uploads import Shape, upload_kind
 from .aggregation import ReplyAggregation
+from .common import DLionResult
 from .dlion_arguments import check_step_and_downlink_arguments, check_update_arguments
 from .downlink_messages import DownlinkMessages
 from .server_state import Broadcast, Round, ServerState
@@ -83,8 +83,12 @@ class DistributedLion(DownlinkMessages, ReplyAggregation):
     ----------
     aggregation : {"vote", "mean"} (default: "vote")
         Majority vote (``sign(S)``, 0 on a tie) or mean (``S / n``) of the client signs.
-    lr : float (default: 5e-4)
-        Learning rate, applied on the server and on every replica.
+    lr : float (default: 2e-3)
+        Learning rate, applied on the server and on every replica. A round moves each parameter
+        by up to lr (K·lr with ``local_steps``) whatever the size of its gradient, so Lion's rate
+        is far below SGD's: 2e-3 is what the repository's default run and its quickstart use for
+        their CNNs (run config ``lr`` / ``learning-rate``); it was 5e-4 before issue 50. FedAvg's
+        SGD rates (0.01–0.1) are 5–50× too large: when you convert a FedAvg app, lower its rate.
     lr_schedule : callable (int -> float) | None (default: None)
         The factor of ``lr`` in each server round t: the round's rate is ``lr · lr_schedule(t)``
         for its local Lion steps and its Δ (each Δ is sent with its rate, so a client catching
@@ -204,7 +208,7 @@ class DistributedLion(DownlinkMessages, ReplyAggregation):
 
     Examples
     --------
-    >>> strategy = DistributedLion(aggregation="vote", lr=5e-4, weight_decay=0.1)
+    >>> strategy = DistributedLion(aggregation="vote", lr=2e-3, weight_decay=0.1)
     >>> result = strategy.start(grid, ArrayRecord(model.state_dict()), num_rounds=100)
 
     References
@@ -218,7 +222,7 @@ class DistributedLion(DownlinkMessages, ReplyAggregation):
         self,
         *,
         aggregation: Literal["vote", "mean"] = "vote",
-        lr: float = 5e-4,
+        lr: float = 2e-3,
         lr_schedule: Callable[[int], float] | None = None,
         weight_decay: float = 0.1,
         beta1: float = 0.9,
@@ -358,8 +362,8 @@ class DistributedLion(DownlinkMessages, ReplyAggregation):
 
     def start(  # type: ignore[override]
         self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, *args: Any, **kwargs: Any
-    ) -> Result:
-        """Check the schedule's factor for every round of the run, then run Flower's round loop."""
+    ) -> DLionResult:
+        """Check the schedule's factor for every round of the run, then run Flower's round loop (with ``totals``)."""
         for server_round in range(kwargs.get("start_round", 1), num_rounds + 1):
             self.lr_at(server_round)  # a bad factor fails before round 1
         return super().start(grid, initial_arrays, num_rounds, *args, **kwargs)
@@ -501,6 +505,8 @@ class DistributedLion(DownlinkMessages, ReplyAggregation):
         """Validate the replies, vote or average their updates, apply Δ to x, and return x.
 
         The steps (``_check_reply``, ``_apply``, ``_round_metrics``) are in :mod:`.aggregation`.
+        What each key of the returned MetricRecord means, its range in an honest run and when it
+        signals a problem: docs/GUIDE.md, "The round's metrics".
         """
         rnd = self._round
         if rnd is None or rnd.server_round != server_round or self.x is None:

@@ -34,6 +34,7 @@ from ..protocol import (
     message_bytes,
     to_array,
 )
+from ..round_records import RoundConfig
 from .common import ServerModelStrategy
 from .server_state import Broadcast, Round, ServerState
 
@@ -89,39 +90,31 @@ class DownlinkMessages(ServerModelStrategy):
         return msg
 
     def _round_config(self, server_round: int, rnd: Round) -> ConfigRecord:
-        """The keys every client gets this round (non-default options only, to save bytes)."""
-        round_config = ConfigRecord(
-            {"server-round": server_round, "version": self.state.version, "seed": self.sample_seed}
-        )
-        round_config.update({"beta1": self.beta1, "beta2": self.beta2})
-        if self.local_optimizer == "sgd":
-            round_config.update(
-                {"local-steps": self.local_steps, "local-optimizer": "sgd", "local-lr": float(self.local_lr or 0.0)}
-            )
-        elif self.local_steps > 1:
-            round_config.update(
-                {"local-steps": self.local_steps, "local-lr": rnd.lr, "local-weight-decay": self.weight_decay}
-            )
-        if self.local_proximal_mu:
-            round_config["local-proximal-mu"] = self.local_proximal_mu
-        if self.stale_momentum != "keep":
-            round_config["stale-momentum"] = self.stale_momentum
-        if self.accumulate > 1:
-            round_config["accumulate"] = self.accumulate
-        if self.upload != "sign":
-            round_config["upload"] = self.upload
-        if self.scale_block:
-            round_config["scale-block"] = self.scale_block
-        if rnd.momentum_sync:
-            round_config["momentum-sync"] = 1
-        if rnd.buffer_sync:
-            round_config["buffers"] = 1
-        if self.momentum_sync_every and self.momentum_sync_layers:
-            round_config["momentum-sync-layers"] = ",".join(self.momentum_sync_layers)
-        round_config["state-key"] = self.run_key  # the client's state is this run's alone
-        if self.state_key:  # files that outlive the run: as of which round, and which round to keep
-            round_config.update({"state-round": server_round - 1, "keep-round": self.checkpoint_round})
-        return round_config
+        """The keys every client gets this round (:class:`RoundConfig`: non-default values only, to save bytes)."""
+        sgd, local_lion = self.local_optimizer == "sgd", self.local_optimizer == "lion" and self.local_steps > 1
+        files = bool(self.state_key)  # files that outlive the run: as of which round, and which round to keep
+        return RoundConfig(
+            server_round=server_round,
+            version=self.state.version,
+            seed=self.sample_seed,
+            beta1=self.beta1,
+            beta2=self.beta2,
+            local_steps=self.local_steps,
+            accumulate=self.accumulate,
+            local_optimizer=self.local_optimizer,
+            local_lr=float(self.local_lr or 0.0) if sgd else rnd.lr if local_lion else 0.0,
+            local_weight_decay=self.weight_decay if local_lion else 0.0,
+            local_proximal_mu=self.local_proximal_mu,
+            stale_momentum=self.stale_momentum,
+            upload=self.upload,
+            scale_block=self.scale_block,
+            momentum_sync=rnd.momentum_sync,
+            buffers=rnd.buffer_sync,
+            momentum_sync_layers=",".join(self.momentum_sync_layers) if self.momentum_sync_every else "",
+            state_key=self.run_key,  # the client's state is this run's alone
+            state_round=server_round - 1 if files else None,
+            keep_round=self.checkpoint_round if files else 0,
+        ).to_record()
 
     @property
     def run_key(self) -> str:

@@ -1,32 +1,46 @@
-"""The options of one round as a D-Lion client reads them: parsed once, every value range-checked.
+"""The typed records of a round, used by both sides: the server's :class:`RoundConfig`, a node's :class:`ReplyMetrics`.
 
-A train message's ``dlion.config`` ConfigRecord (``protocol``) carries the server's optimizer
-constants and the round's options; the server sends only those that differ from their defaults
-(to save bytes). :meth:`RoundConfig.parse` is the one place a client reads them: the defaults
-are the dataclass's, and every value is checked against its range **before it touches the
-node's state**, so that a hostile or mistaken server (``beta2 = 5``, ``beta1 = NaN``,
-``accumulate = -3``, ``local-steps = 10⁹``) gets a :class:`~.state.ClientStateError` naming the
-node, the key, the value and what is allowed, and the node keeps its state. The local work of a
-round, ``local-steps × accumulate`` batches, is bounded by the client's own ``max_batches``
+**RoundConfig.** A train message's ``dlion.config`` ConfigRecord (:mod:`.protocol`) carries the
+server's optimizer constants and the round's options. The server writes it with
+:meth:`RoundConfig.to_record`, which sends only the values that differ from their defaults (to
+save bytes); a client reads it with :meth:`RoundConfig.parse`, the one place where those defaults
+are supplied, and where every value is checked against its range **before it touches the
+node's state**: a hostile or mistaken server (``beta2 = 5``, ``beta1 = NaN``, ``accumulate = -3``,
+``local-steps = 10⁹``) gets a :class:`~.protocol.ClientStateError` naming the node, the key, the
+value and what is allowed, and the node keeps its state. The local work of a round,
+``local-steps × accumulate`` batches, is bounded by the client's own ``max_batches``
 (``DLionClient(max_batches=...)``), so that no server can keep a client busy for ever.
 
 The keys that describe the model update itself (``kind``, the Δs' ``lr``, ``weight-decay`` and
-``num-levels``, ``scales``, ``segment-levels``, the anchor) are checked where they are applied
-(:mod:`.replica`). Imports no flwr: a ConfigRecord is read as the mapping it is.
+``num-levels``, ``scales``, ``segment-levels``, the anchor) are per node and checked where they
+are applied (:mod:`.clients.replica`).
+
+**ReplyMetrics.** A reply's ``dlion.metrics`` MetricRecord: the client writes it with
+:meth:`ReplyMetrics.to_record`, the server reads it with :meth:`ReplyMetrics.from_record`
+(every value a finite number, the integers integers, nothing else there).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
-from ..protocol import STATE_KEY
-from ..uploads import UPLOADS
-from .state import ClientStateError
+from flwr.app import ConfigRecord, MetricRecord, RecordDict
 
-__all__ = ["MAX_BATCHES", "PROXIMAL_LIMIT", "SCALE_BLOCK_LIMIT", "RoundConfig", "hello_keys"]
+from .protocol import (
+    METRICS,
+    OPTIONAL_REPLY_METRICS,
+    REPLY_METRICS,
+    STATE_KEY,
+    ClientStateError,
+    RejectedReply,
+    read_metrics,
+)
+from .uploads import UPLOADS
+
+__all__ = ["ALWAYS", "MAX_BATCHES", "PROXIMAL_LIMIT", "SCALE_BLOCK_LIMIT", "ReplyMetrics", "RoundConfig", "hello_keys"]
 
 MAX_BATCHES = 1000  # default limit on one round's local work (local-steps × accumulate batches)
 PROXIMAL_LIMIT = 1e6  # a server asking for a larger local proximal weight is refused
@@ -151,6 +165,82 @@ class RoundConfig:
             )
         if self.local_optimizer == "sgd" and not self.local_lr > 0.0:
             raise ClientStateError(f"{where} has local-optimizer 'sgd' with local-lr {self.local_lr} (> 0 needed)")
+
+    @property
+    def as_of(self) -> int:
+        """The round whose end state the node starts from: ``state_round``, else the round before."""
+        return self.server_round - 1 if self.state_round is None else self.state_round
+
+    def to_record(self) -> ConfigRecord:
+        """The record a server sends: the values that differ from their defaults, and always those of :data:`ALWAYS`.
+
+        ``RoundConfig.parse(cfg.to_record(), node)`` gives ``cfg`` back; booleans go as 0 / 1.
+        """
+        out: dict[str, int | float | str] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in ALWAYS or value != f.default:
+                out[f.name.replace("_", "-")] = int(value) if isinstance(value, bool) else value
+        return ConfigRecord(out)
+
+
+ALWAYS = frozenset({"server_round", "version", "seed", "beta1", "beta2"})  # sent even where default
+
+
+@dataclass(frozen=True)
+class ReplyMetrics:
+    """What a node reports with its upload (``protocol``'s ``dlion.metrics``).
+
+    Attributes
+    ----------
+    num_examples : int
+        Examples in the round's batches, >= 1.
+    train_loss : float
+        Their mean loss.
+    version, checksum : int
+        The version of the replica the node computed δ at, and the CRC-32 of its x.
+    coin_flips : int
+        Signs sent as coin flips (exact zeros of the Lion mix).
+    context : int | None
+        The version whose two last Δs the node holds (the next Δ can be coded with them); None: none.
+
+    """
+
+    num_examples: int
+    train_loss: float
+    version: int
+    checksum: int
+    coin_flips: int = 0
+    context: int | None = None
+
+    def to_record(self) -> MetricRecord:
+        """The reply's MetricRecord (``context`` only where there is one)."""
+        out: dict[str, int | float] = {
+            "num-examples": self.num_examples,
+            "train-loss": self.train_loss,
+            "version": self.version,
+            "checksum": self.checksum,
+            "coin-flips": self.coin_flips,
+        }
+        if self.context is not None:
+            out["context"] = self.context
+        return MetricRecord(out)
+
+    @classmethod
+    def from_record(cls, content: RecordDict) -> ReplyMetrics:
+        """The reply's metrics, checked (:func:`~.protocol.read_metrics`); raises RejectedReply naming the problem."""
+        values = read_metrics(content, METRICS, REPLY_METRICS, optional=OPTIONAL_REPLY_METRICS)
+        for key in ("version", "checksum", "coin-flips", "context"):
+            if key in values and not isinstance(values[key], int):
+                raise RejectedReply(f"metric {key!r} is {values[key]!r}, expected an integer")
+        return cls(
+            num_examples=int(values["num-examples"]),
+            train_loss=float(values["train-loss"]),
+            version=int(values["version"]),
+            checksum=int(values["checksum"]),
+            coin_flips=int(values.get("coin-flips", 0)),
+            context=None if "context" not in values else int(values["context"]),
+        )
 
 
 _MISSING = object()

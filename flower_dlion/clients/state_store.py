@@ -1,0 +1,400 @@
+"""Where a D-Lion client persists a node's state (:class:`~.state.HostState`): ``context.state`` or a file per node.
+
+``context.state`` (``in_context``) and/or ``<folder>/r<round>.state`` (``folder``): the
+file a restarted SuperNode starts from, and the one a resumed ServerApp asks for by round
+(``state-round``); only the newest file and the one of the server's latest checkpoint
+(``keep-round``) are kept. A file is written to a temporary name and renamed, so a reader
+sees the old file or the new one; a client whose process lives on writes it on a background
+thread after the reply has gone (``save(background=True)``) and leaves a ``.pending`` marker
+that readers in other processes wait for.
+
+Host side only, numpy arrays and numbers, as :mod:`.state`. Files have a format of their own
+(:func:`write_state_file`: magic, a JSON header, the arrays, CRC-32), are read only when they
+name this node's run and node (``owner``), and what a write cut short leaves behind (temporary
+files, ``.pending`` markers of a dead process) is removed at the next write.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import re
+import secrets
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context
+
+from ..lion import anchored
+from ..protocol import ClientStateError, to_array
+from .state import (
+    STATE_ARRAYS,
+    STATE_META,
+    STATE_REST,
+    Expected,
+    HostState,
+    StateRefused,
+    check_state,
+    read_state_file,
+    read_state_header,
+    require_host,
+    write_state_file,
+)
+
+__all__ = ["StateStore", "load_state", "save_state", "wait_for_writes"]
+
+logger = logging.getLogger("flower_dlion")
+PENDING_WAIT_S = 120.0  # how long a reader waits for another process's write of a newer state file
+
+
+# --------------------------------------------------------------------------- files
+_WRITER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dlion-state")  # joined at exit
+_PENDING: set[concurrent.futures.Future] = set()
+
+
+def wait_for_writes() -> None:
+    """Wait until every state file this process is writing in the background is on disk."""
+    for future in list(_PENDING):
+        concurrent.futures.wait([future])
+
+
+class StateStore:
+    """The persisted state of one node for one message: where it is read from and written to.
+
+    Parameters
+    ----------
+    context : Context
+        The node's context.
+    in_context : bool
+        Keep the state in ``context.state``.
+    folder : Path | None
+        Keep the state in files there too (or only there, without ``in_context``).
+    as_of : int
+        Start from the state as of the end of this round (-1: the newest there is).
+    keep_round : int
+        The server's latest checkpoint: the state file of that round is kept.
+    owner : str (default: "")
+        Whose state this is (``<run key>/<node label>``): files in ``folder`` that name another
+        owner are neither read nor replaced nor deleted ("": every readable file is this node's).
+
+    """
+
+    def __init__(
+        self, context: Context, *, in_context: bool, folder: Path | None, as_of: int, keep_round: int, owner: str = ""
+    ) -> None:
+        if not in_context and folder is None:
+            raise ClientStateError(f"node {context.node_id}: the state must go to the context or to files")
+        self.context = context
+        self.in_context = in_context
+        self.folder = folder
+        self.as_of = as_of
+        self.keep_round = keep_round
+        self.owner = owner
+
+    def probe(self) -> None:
+        """Write and remove a small file in the folder, or raise ClientStateError saying why it cannot be written."""
+        if self.folder is None:
+            return
+        probe = self.folder / f".probe.{os.getpid()}"
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            probe.write_bytes(b"flower-dlion")
+            probe.unlink()
+        except OSError as err:
+            raise ClientStateError(
+                f"node {self.context.node_id}: its state folder {self.folder} cannot be written ({err}); choose a "
+                "writable one: run config 'client-state-dir', DLionClient(state_dir=...)"
+            ) from err
+
+    # ------------------------------------------------------------------ which copy
+    def _context_round(self) -> int | None:
+        meta = self.context.state[STATE_META] if STATE_META in self.context.state else None
+        try:
+            return None if meta is None else int(meta["round"])
+        except (KeyError, TypeError, ValueError):
+            return -1  # there, but unreadable: load() says why
+
+    def _use_context(self) -> bool:
+        r = self._context_round()
+        return r is not None and (self.folder is None or self.as_of < 0 or r <= self.as_of)
+
+    def current(self) -> tuple[int, str] | None:
+        """(round, stamp) of the copy this message starts from, or None where there is none; cheap.
+
+        A file another process is still writing is waited for (``.pending`` markers).
+        """
+        if self._use_context():
+            meta = self.context.state[STATE_META]
+            return int(meta.get("round", -1)), str(meta.get("stamp", ""))
+        found = self._newest_file()
+        if found is None:
+            return None
+        meta = read_state_header(found[1]) or {}
+        return int(meta.get("round", -1)), str(meta.get("stamp", ""))
+
+    def where(self) -> str:
+        """The copy this message starts from, for messages: the file's path or ``context.state``."""
+        if self._use_context():
+            return "context.state"
+        found = self._newest_file()
+        return str(found[1]) if found is not None else f"{self.folder or 'context.state'} (no state there)"
+
+    # ------------------------------------------------------------------ read
+    def load(self, expect: Expected, node_id: int) -> HostState | None:
+        """The node's checked state, or None: none there, or refused (logged with the copy and the reason, dropped).
+
+        From files, a refused one gives way to the next newest (the other slot: a round older).
+        """
+        if self._use_context():
+            try:
+                host = self._from_context()
+                check_state(host, expect)
+                return host
+            except StateRefused as err:
+                self._refused(node_id, "context.state", err)
+                self._drop(None)
+                return None
+        while (found := self._newest_file()) is not None:
+            try:
+                host = self._from_file(found[1])
+                check_state(host, expect)
+                return host
+            except (StateRefused, OSError) as err:
+                self._refused(node_id, str(found[1]), err)
+                self._drop(found[1])
+        return None
+
+    @staticmethod
+    def _refused(node_id: int, where: str, err: Exception) -> None:
+        logger.warning(
+            "flower-dlion: node %d: its state in %s is refused: %s; the node starts anew", node_id, where, err
+        )
+
+    def _from_context(self, d: int = 0) -> HostState:
+        cs = self.context.state
+        try:
+            arrays = {name: a.numpy() for name, a in cs[STATE_ARRAYS].items()} if STATE_ARRAYS in cs else {}
+            rest = {name: a.numpy() for name, a in cs[STATE_REST].items()} if STATE_REST in cs else {}
+            meta = dict(cs[STATE_META])
+        except Exception as err:  # Array.numpy() of damaged bytes raises anything numpy's reader raises
+            raise StateRefused(f"unreadable ({err!r})") from err
+        anchor = arrays.pop("anchor", None)
+        undo = meta.pop("undo", b"")
+        if not isinstance(undo, bytes):
+            raise StateRefused("its undo record is not bytes")
+        return HostState.from_parts(meta, arrays, rest, anchor, undo)
+
+    def _from_file(self, path: Path) -> HostState:
+        meta, arrays = read_state_file(path)
+        rest = {k.removeprefix("rest/"): v for k, v in arrays.items() if k.startswith("rest/")}
+        undo = arrays.pop("undo", np.zeros(0, np.uint8)).tobytes()
+        anchor = None
+        if "counts" in arrays:
+            anchor = self._read_anchor(int(meta.get("anchor-version", -1)), int(meta.get("anchor-checksum", -1)))
+        return HostState.from_parts(meta, arrays, rest, anchor, undo)
+
+    def _anchor_path(self, version: int, checksum: int) -> Path:
+        assert self.folder is not None
+        return self.folder.parent / "anchors" / f"a{version}-{checksum & 0xFFFFFFFF:08x}.npy"
+
+    def _read_anchor(self, version: int, checksum: int) -> np.ndarray:
+        path = self._anchor_path(version, checksum)
+        try:
+            return np.load(path, allow_pickle=False)
+        except (OSError, ValueError) as err:
+            raise StateRefused(f"its anchor {path} cannot be read ({err})") from err
+
+    def _files(self) -> list[tuple[int, Path]]:
+        """(round, path) of the node's state files whose header reads, oldest first.
+
+        The two slots (``slot-0.state``, ``slot-1.state``, overwritten in turn) and a kept
+        checkpoint's round (``r<round>.state``).
+        """
+        if self.folder is None or not self.folder.is_dir():
+            return []
+        out = []
+        for path in self.folder.glob("*.state"):
+            meta = read_state_header(path)
+            if meta is not None and self.owner and meta.get("owner") != self.owner:
+                continue  # another run's or node's: not read, not replaced, not deleted
+            try:
+                out.append((int(meta["round"]) if meta is not None else -1, path))
+            except (KeyError, TypeError, ValueError):
+                out.append((-1, path))
+        return sorted(out, key=lambda rp: (rp[0], rp[1].name.startswith("slot")))
+
+    def _mine(self, path: Path) -> bool:
+        """Whether this node may write ``path``: not there, a state file of this owner, or one that does not read."""
+        if not path.exists():
+            return True
+        meta = read_state_header(path)
+        return meta is None or not self.owner or meta.get("owner") == self.owner
+
+    def _sweep(self) -> None:
+        """Remove what a write of this node's that was cut short left: temporary files and markers of dead processes."""
+        assert self.folder is not None
+        for folder in (self.folder, self.folder.parent / "anchors"):
+            for path in folder.glob(".*"):
+                pid = _writer_pid(path.name)
+                if pid is not None and pid != os.getpid() and not _alive(pid):
+                    path.unlink(missing_ok=True)
+
+    def _newest_file(self) -> tuple[int, Path] | None:
+        """The newest state file at or before ``as_of``, after waiting for a newer one another process is writing.
+
+        One whose header does not read counts as the oldest (load() refuses it, saying why).
+        """
+        if self.folder is None:
+            return None
+        deadline = time.monotonic() + PENDING_WAIT_S
+        while True:
+            files = [f for f in self._files() if self.as_of < 0 or f[0] <= self.as_of]
+            newest = files[-1][0] if files else -1
+            if not self._pending_after(newest) or time.monotonic() > deadline:
+                return files[-1] if files else None
+            time.sleep(0.005)
+
+    def _pending_after(self, newest: int) -> bool:
+        """Whether a live process (this one too) is writing a state file newer than round ``newest``."""
+        assert self.folder is not None
+        for marker in self.folder.glob(".r*.pending.*"):
+            round_text, _, pid_text = marker.name[2:].partition(".pending.")
+            if not (round_text.isdigit() and pid_text.isdigit()):
+                continue
+            if int(round_text) > newest and (self.as_of < 0 or int(round_text) <= self.as_of) and _alive(int(pid_text)):
+                return True
+        return False
+
+    def _drop(self, path: Path | None) -> None:
+        """Take a refused copy out of the way, so that it is not read again."""
+        if path is None:
+            for key in (STATE_ARRAYS, STATE_REST, STATE_META):
+                if key in self.context.state:
+                    del self.context.state[key]
+            return
+        try:
+            os.replace(path, path.with_name(path.name + ".refused"))
+        except OSError:
+            pass
+
+    # ------------------------------------------------------------------ write
+    def save(self, host: HostState, *, background: bool = False) -> tuple[str, concurrent.futures.Future | None]:
+        """Store ``host`` where this store keeps it; returns its new stamp and, for a background write, its future.
+
+        ``background``: write the file on the writer thread (after the reply has gone); the
+        caller waits for the future before it uses or replaces this node's state again. The
+        context is always written now (Flower serializes it once the handler returns).
+        """
+        require_host(host)
+        host.stamp = secrets.token_hex(8)
+        if self.in_context:
+            self._to_context(host)
+        if self.folder is None:
+            return host.stamp, None
+        self.folder.mkdir(parents=True, exist_ok=True)
+        marker = self.folder / f".r{host.round}.pending.{os.getpid()}"
+        marker.touch()  # before the reply goes: a reader in another process waits for the file
+        if not background:
+            self._to_file(host, marker)
+            return host.stamp, None
+        future = _WRITER.submit(self._to_file, host, marker)
+        _PENDING.add(future)
+        future.add_done_callback(_PENDING.discard)
+        return host.stamp, future
+
+    def _to_context(self, host: HostState) -> None:
+        arrays = host.arrays() | ({"anchor": host.anchor} if host.anchor is not None else {})
+        cs = self.context.state
+        cs[STATE_ARRAYS] = ArrayRecord({k: to_array(np.ascontiguousarray(a)) for k, a in arrays.items()})
+        if host.rest:
+            cs[STATE_REST] = ArrayRecord({k: to_array(np.ascontiguousarray(a)) for k, a in host.rest.items()})
+        elif STATE_REST in cs:
+            del cs[STATE_REST]
+        cs[STATE_META] = ConfigRecord(host.meta() | {"undo": host.undo})
+
+    def _to_file(self, host: HostState, marker: Path | None = None) -> None:
+        """Write the state over the older of the two slots (and the anchor once); keep the checkpoint's round.
+
+        ``keep_round`` is the server's latest checkpoint (0: none yet), the round a resumed
+        ServerApp starts from: the newest state at or before it is kept as ``r<round>.state``
+        (a slot that holds it is renamed so, never overwritten). The slot written is never the
+        newest one: a write cut short leaves the state of the round before. Every other file of
+        this node is deleted: older kept rounds, and rounds from this one on (a resumed run's
+        dead future).
+        """
+        assert self.folder is not None
+        try:
+            self._sweep()
+            if host.anchor is not None:
+                anchor_path = self._anchor_path(host.anchor_version, host.anchor_checksum)
+                if not anchor_path.exists():  # once per anchor for all the run's nodes
+                    anchor_path.parent.mkdir(parents=True, exist_ok=True)
+                    tmp = anchor_path.with_name(f".{anchor_path.stem}.{os.getpid()}.tmp.npy")
+                    np.save(tmp, host.anchor)
+                    os.replace(tmp, anchor_path)
+            files = self._files()
+            kept = max((f for f in files if 0 <= f[0] <= self.keep_round), default=None) if self.keep_round else None
+            if kept is not None and kept[1].name.startswith("slot"):  # the checkpoint's round: out of the slots
+                kept = (kept[0], kept[1].rename(self.folder / f"r{kept[0]}.state"))
+                files = self._files()
+            slots = {p: -2 for i in (0, 1) if self._mine(p := self.folder / f"slot-{i}.state")}
+            if not slots:
+                raise ClientStateError(f"{self.folder} holds another run's or node's state files: not replaced")
+            slots |= {p: r for r, p in files if p in slots}
+            newest = max(slots.values())
+            target = min(slots, key=lambda p: (slots[p] < host.round and slots[p] == newest, slots[p]))
+            write_state_file(target, host, in_place=True)
+            kept_path = None if kept is None else kept[1]
+            for r, p in self._files():  # this node's only (a file whose header does not read is left alone)
+                old_kept = p.name.startswith("r") and p != kept_path
+                if p != target and r >= 0 and (old_kept or r >= host.round):
+                    p.unlink(missing_ok=True)
+        finally:
+            if marker is not None:
+                marker.unlink(missing_ok=True)
+
+
+_LEFT_BEHIND = re.compile(r"\.(?:.+\.(\d+)\.tmp(?:\.npy)?|r\d+\.pending\.(\d+)|probe\.(\d+))")
+
+
+def _writer_pid(name: str) -> int | None:
+    """The writer's process id in a temporary file's or marker's name, None for any other name.
+
+    ``.<file>.<pid>.tmp[.npy]`` (a file being written), ``.r<round>.pending.<pid>`` (a write
+    announced), ``.probe.<pid>`` (a hello's probe).
+    """
+    match = _LEFT_BEHIND.fullmatch(name)
+    return None if match is None else int(next(g for g in match.groups() if g is not None))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def load_state(context: Context) -> HostState | None:
+    """The state a node keeps in ``context.state``, as stored, with x (from the anchor): for tests and inspection.
+
+    Not checked (:func:`check_state` is what a client applies); None where there is none.
+    """
+    store = StateStore(context, in_context=True, folder=None, as_of=-1, keep_round=0)
+    if not store._use_context():
+        return None
+    host = store._from_context(0)
+    if host.x is None and host.anchor is not None and host.counts is not None:
+        counts = torch.from_numpy(host.counts.astype(np.int32))
+        host.x = anchored(torch.from_numpy(host.anchor), counts, host.decay, host.step).numpy()
+    return host
+
+
+def save_state(context: Context, host: HostState) -> None:
+    """Put ``host`` in ``context.state`` as a client stores it (with a new stamp): for tests."""
+    StateStore(context, in_context=True, folder=None, as_of=-1, keep_round=0).save(host)
