@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "resnet18-cifar10"))
 
 from flower_dlion import DistributedLion, DLionClient
-from flower_dlion.local_grid import LocalGrid
+from flower_dlion_app.local_grid import LocalGrid
 
 
 def rss() -> int:
@@ -49,7 +49,7 @@ def model_and_batches(name: str, batch_size: int) -> tuple[type[torch.nn.Module]
     if name == "resnet18":
         from resnetexample.task import Net
     else:
-        from flower_dlion.model import Net
+        from flower_dlion_app.model import Net
     shape = (3, 32, 32) if name == "resnet18" else (1, 28, 28)
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(4 * batch_size, *shape, generator=g), torch.randint(0, 10, (4 * batch_size,)))

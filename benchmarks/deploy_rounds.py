@@ -1,6 +1,6 @@
 """Round wall time on Flower's Deployment Engine, by isolation mode (issue 6, item 4).
 
-Each row is a real deployment (``flower_dlion.deploy``: SuperLink + ``--nodes`` SuperNodes on
+Each row is a real deployment (``flower_dlion_app.deploy``: SuperLink + ``--nodes`` SuperNodes on
 127.0.0.1, TLS, SuperNode auth) running the default D-Lion app for ``--rounds`` rounds with
 evaluation only at the end. A round's time is read from the run's ``results.jsonl``
 (``wall_time_s`` of consecutive rows, evaluation excluded); round 1 (hellos, first full
@@ -40,10 +40,10 @@ from pathlib import Path
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 
-from flower_dlion.client_app import app as client_app
-from flower_dlion.deploy import Deployment
-from flower_dlion.local_grid import LocalGrid
-from flower_dlion.server_app import run_federation
+from flower_dlion_app.client_app import app as client_app
+from flower_dlion_app.deploy import Deployment
+from flower_dlion_app.local_grid import LocalGrid
+from flower_dlion_app.server_app import run_federation
 
 MODES = {  # isolation, partition cache, reply poll (s), SuperExec poll (s), extra run config
     "partitions not cached": ("subprocess", False, 3.0, 1.0, ""),

@@ -39,7 +39,7 @@ os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "study" / "downlink"
-D = 281_034  # trainable parameters of the repository's CNN (flower_dlion.model.Net); checked in run()
+D = 281_034  # trainable parameters of the repository's CNN (flower_dlion_app.model.Net); checked in run()
 BEGIN, END = "<!-- downlink:begin -->", "<!-- downlink:end -->"
 
 
@@ -57,10 +57,10 @@ def _config(clients: int, mode: str, rounds: int, seed: int) -> dict:
 
 def run(clients: list[int], rounds: int, seeds: list[int], modes: list[str]) -> None:
     """Run every (clients, mode, seed) federation not yet saved."""
-    from flower_dlion.client_app import app
-    from flower_dlion.local_grid import LocalGrid
-    from flower_dlion.model import Net
-    from flower_dlion.server_app import run_federation
+    from flower_dlion_app.client_app import app
+    from flower_dlion_app.local_grid import LocalGrid
+    from flower_dlion_app.model import Net
+    from flower_dlion_app.server_app import run_federation
 
     assert sum(p.numel() for p in Net().parameters()) == D
     OUT.mkdir(parents=True, exist_ok=True)

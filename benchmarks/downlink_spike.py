@@ -49,10 +49,10 @@ def _conditional(context: np.ndarray, k: np.ndarray, num_contexts: int) -> float
 def entropy(rounds: int) -> None:
     """Per-round Δ entropies and coder sizes of the default federation."""
     from flower_dlion import codec
-    from flower_dlion.client_app import app
-    from flower_dlion.local_grid import LocalGrid
-    from flower_dlion.server_app import run_federation
     from flower_dlion.strategies import dlion
+    from flower_dlion_app.client_app import app
+    from flower_dlion_app.local_grid import LocalGrid
+    from flower_dlion_app.server_app import run_federation
 
     kept: list[tuple[int, bytes, int]] = []
     remember = dlion.DistributedLion._remember
@@ -108,8 +108,8 @@ def entropy(rounds: int) -> None:
 def anchor(clients: int, sampled: int, rounds: int, every: int, seed: int) -> None:
     """Per-round decay against the anchor rule, from the same seed; count-difference entropies."""
     from flower_dlion import lion
-    from flower_dlion.data import load_fashion_mnist, partition_indices, sample_batch, to_tensor
-    from flower_dlion.model import Net, evaluate, flat_gradient, flat_parameters
+    from flower_dlion_app.data import load_fashion_mnist, partition_indices, sample_batch, to_tensor
+    from flower_dlion_app.model import Net, evaluate, flat_gradient, flat_parameters
 
     lr, wd, beta1, beta2 = 0.002, 0.1, 0.9, 0.99
     torch.manual_seed(seed)

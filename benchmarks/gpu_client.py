@@ -33,10 +33,10 @@ import torch
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 
 from flower_dlion import accel, codec, lion
-from flower_dlion.client_app import app as client_app
-from flower_dlion.local_grid import LocalGrid
-from flower_dlion.model import Net
-from flower_dlion.server_app import run_federation
+from flower_dlion_app.client_app import app as client_app
+from flower_dlion_app.local_grid import LocalGrid
+from flower_dlion_app.model import Net
+from flower_dlion_app.server_app import run_federation
 
 
 def copies(trace: Path) -> collections.Counter[tuple[str, int]]:

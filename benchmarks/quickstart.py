@@ -51,8 +51,8 @@ def main() -> None:
     from pytorchexample.client_app import app as client_app
 
     from flower_dlion.clients import dlion
-    from flower_dlion.local_grid import LocalGrid
-    from flower_dlion.metering import MeteredGrid
+    from flower_dlion_app.local_grid import LocalGrid
+    from flower_dlion_app.metering import MeteredGrid
 
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 0
     cfg = tomllib.loads((app_dir / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]

@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 
 import flower_dlion
-from flower_dlion.client_app import app as client_app
-from flower_dlion.local_grid import LocalGrid
-from flower_dlion.server_app import run_federation
+from flower_dlion_app.client_app import app as client_app
+from flower_dlion_app.local_grid import LocalGrid
+from flower_dlion_app.server_app import run_federation
 
 CONFIGS: dict[str, dict[str, object]] = {
     "vote-anchored-partial": {"num-server-rounds": 12, "eval-every": 4, "fraction-train": 0.5, "min-train-nodes": 1,

@@ -37,9 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "re
 from resnetexample.task import Net, load_data
 
 from flower_dlion import DistributedLion, DLionClient
-from flower_dlion.local_grid import LocalGrid
 from flower_dlion.params import Binding
 from flower_dlion.protocol import message_bytes
+from flower_dlion_app.local_grid import LocalGrid
 
 Row = tuple[int, int, float, float]  # round, node's place in it (0: first), seconds, seconds of forward + backward
 

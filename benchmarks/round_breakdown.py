@@ -40,13 +40,14 @@ import torch
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 
-from flower_dlion import codec, lion, local_grid, metering, params, server_app
+from flower_dlion import codec, lion, params
 from flower_dlion.clients import dlion as dlion_client
 from flower_dlion.clients import fedavg as fedavg_client
 from flower_dlion.clients import gradient as gradient_client
 from flower_dlion.clients import state
 from flower_dlion.strategies import dlion as dlion_strategy
 from flower_dlion.strategies import global_opt
+from flower_dlion_app import local_grid, metering, server_app
 
 EXCLUSIVE: dict[str, float] = defaultdict(float)
 _stack: list[list[float]] = []  # per open timer: [time spent in nested timers]
@@ -111,7 +112,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.getLogger("flwr").setLevel(logging.WARNING)
     instrument()
-    from flower_dlion.client_app import app as client_app
+    from flower_dlion_app.client_app import app as client_app
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = {

@@ -26,9 +26,9 @@ import torch
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 
-from flower_dlion.client_app import app as client_app
-from flower_dlion.local_grid import LocalGrid
-from flower_dlion.server_app import run_federation
+from flower_dlion_app.client_app import app as client_app
+from flower_dlion_app.local_grid import LocalGrid
+from flower_dlion_app.server_app import run_federation
 
 SETTINGS = {
     "fedavg (1 minibatch)": {"strategy": "fedavg", "lr": 0.03, "local-batches": 1},

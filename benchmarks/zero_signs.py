@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from flower_dlion import lion
-from flower_dlion.data import load_fashion_mnist, to_tensor
-from flower_dlion.model import Net, flat_gradient, flat_parameters
+from flower_dlion_app.data import load_fashion_mnist, to_tensor
+from flower_dlion_app.model import Net, flat_gradient, flat_parameters
 
 
 def main() -> None:

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .clients.dlion import ClientSettings, DLionClient
     from .lion import cosine_decay
-    from .strategies.common import DLionResult
     from .strategies.dlion import DistributedLion
+    from .strategies.run_loop import DLionResult
     from .strategies.run_stops import RunStopped
 
 __all__ = [
@@ -42,7 +42,7 @@ __version__ = "0.2.0"
 _LAZY = {
     "ClientSettings": ".clients.dlion",
     "DLionClient": ".clients.dlion",
-    "DLionResult": ".strategies.common",
+    "DLionResult": ".strategies.run_loop",
     "DistributedLion": ".strategies.dlion",
     "RunStopped": ".strategies.run_stops",
     "cosine_decay": ".lion",

@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from flower_dlion import DLionClient
-from flower_dlion.data import load_fashion_mnist, partition_indices, to_tensor
+from flower_dlion_app.data import load_fashion_mnist, partition_indices, to_tensor
 
 
 class ByomNet(nn.Module):

@@ -13,14 +13,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flower_dlion import codec, lion, quantizers
-from flower_dlion.client_app import app as client_app
-from flower_dlion.config import read_config
-from flower_dlion.local_grid import LocalGrid
-from flower_dlion.model import Net, flat_parameters, seeded_net
 from flower_dlion.params import layer_mask
 from flower_dlion.protocol import BROADCAST, CONFIG, METRICS, MOMENTUM, UPLOAD, checksum, message_bytes
-from flower_dlion.server_app import build_strategy
 from flower_dlion.strategies import DistributedLion
+from flower_dlion_app.client_app import app as client_app
+from flower_dlion_app.config import read_config
+from flower_dlion_app.local_grid import LocalGrid
+from flower_dlion_app.model import Net, flat_parameters, seeded_net
+from flower_dlion_app.server_app import build_strategy
 
 from .states import apply, load, node_at, replica_after
 from .test_strategy import X0, StubGrid, first_round, signs_reply
@@ -403,8 +403,8 @@ def test_measured_upload_bytes_follow_the_encoding(options: dict, bits: int) -> 
 
 def test_one_client_uploads_exactly_the_k_step_sum_and_keeps_its_quantization_error() -> None:
     # Prepare: 1 client, K = 3 local steps on its own minibatches (steps 0, 1, 2 of round 1)
-    from flower_dlion.data import load_fashion_mnist, partition_indices, sample_batch, to_tensor
-    from flower_dlion.model import flat_gradient
+    from flower_dlion_app.data import load_fashion_mnist, partition_indices, sample_batch, to_tensor
+    from flower_dlion_app.model import flat_gradient
 
     lr, wd, k = 0.01, 0.1, 3
     ds = load_fashion_mnist()

@@ -11,13 +11,13 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message
 from flwr.common.serde import context_to_proto
 
 from flower_dlion.bounds import clip_scales, median_momentum
-from flower_dlion.client_app import app as client_app
-from flower_dlion.clients.attacks import LittleIsEnough, MomentumPoison, ScaleLie
-from flower_dlion.config import read_config
-from flower_dlion.local_grid import LocalGrid
 from flower_dlion.protocol import BROADCAST, CONFIG, MOMENTUM
-from flower_dlion.server_app import run_federation
 from flower_dlion.strategies import DistributedLion
+from flower_dlion_app.client_app import app as client_app
+from flower_dlion_app.clients.attacks import LittleIsEnough, MomentumPoison, ScaleLie
+from flower_dlion_app.config import read_config
+from flower_dlion_app.local_grid import LocalGrid
+from flower_dlion_app.server_app import run_federation
 
 from .test_federation import RUN_CONFIG, initial_arrays
 
@@ -220,7 +220,7 @@ def test_krum_and_multikrum_are_told_how_many_attackers_there_are(name, fraction
     # Prepare
     from flwr.serverapp.strategy import Krum, MultiKrum
 
-    from flower_dlion.server_app import build_strategy
+    from flower_dlion_app.server_app import build_strategy
 
     from .test_strategy import StubGrid
 

@@ -19,13 +19,13 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from flower_dlion import DistributedLion, DLionClient
 from flower_dlion.bounds import robust_buffers
-from flower_dlion.client_app import app as repo_app
 from flower_dlion.clients import dlion as dlion_module
 from flower_dlion.clients.state import STATE_ARRAYS, STATE_REST
-from flower_dlion.config import read_config
-from flower_dlion.local_grid import LocalGrid
 from flower_dlion.params import Entry, ModelSpec
-from flower_dlion.server_app import run_federation
+from flower_dlion_app.client_app import app as repo_app
+from flower_dlion_app.config import read_config
+from flower_dlion_app.local_grid import LocalGrid
+from flower_dlion_app.server_app import run_federation
 
 from . import byom
 from .byom import ByomNet

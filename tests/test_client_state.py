@@ -32,7 +32,7 @@ from flower_dlion.clients.placement import Placement
 from flower_dlion.clients.state import ClientStateError, Expected, HostState, StateRefused, check_state, crc32
 from flower_dlion.clients.state_store import StateStore, save_state
 from flower_dlion.lion import anchored
-from flower_dlion.local_grid import LocalGrid
+from flower_dlion_app.local_grid import LocalGrid
 
 from . import byom
 from .byom import ByomNet
@@ -389,7 +389,7 @@ def test_bad_client_settings_fail_at_construction() -> None:
         DLionClient(None, ByomNet, max_resident=-1)
     with pytest.raises(ValueError, match=r"link_mbps must be a finite number > 0 \(Mbit/s\) or None, got 0"):
         DLionClient(None, ByomNet, link_mbps=0)
-    from flower_dlion.config import read_config
+    from flower_dlion_app.config import read_config
 
     with pytest.raises(ValueError, match=r"'max-resident' must be >= -1 \(-1: automatic, 0: none\), got -2"):
         read_config({"max-resident": -2})

@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from flower_dlion import data
-from flower_dlion.config import DEFAULTS, GROUPS, generate, read_config
+from flower_dlion_app import data
+from flower_dlion_app.config import DEFAULTS, GROUPS, generate, read_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -128,8 +128,8 @@ def test_pyproject_config_equals_defaults() -> None:
 def test_the_generated_copies_of_the_run_config_are_up_to_date() -> None:
     # Execute: pyproject.toml's table and the guide's tables as config.GROUPS makes them
     files = generate.generated_files(ROOT)
-    # Assert: the files hold exactly that (else: python -m flower_dlion.config --write)
-    assert all(path.read_text() == text for path, text in files.items()), "python -m flower_dlion.config --write"
+    # Assert: the files hold exactly that (else: python -m flower_dlion_app.config --write)
+    assert all(path.read_text() == text for path, text in files.items()), "python -m flower_dlion_app.config --write"
     assert sorted(DEFAULTS) == sorted(key for group in GROUPS.values() for key in group.keys)
     assert [line for line in generate.pyproject_table().splitlines() if line.startswith("# ")][1:] == [
         f"# {name}: {group.about}" for name, group in GROUPS.items()

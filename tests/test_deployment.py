@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from flower_dlion.deploy import Deployment
+from flower_dlion_app.deploy import Deployment
 
 from .states import rounds_in
 

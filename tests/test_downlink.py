@@ -202,10 +202,10 @@ def test_anchored_partial_participation_keeps_every_replica_exact_across_anchors
     # Prepare: 10 clients, 5 sampled per round, anchors every 9 rounds, x₀ from seed 0
     from flwr.app import ConfigRecord
 
-    from flower_dlion.client_app import app as client_app
-    from flower_dlion.local_grid import LocalGrid
     from flower_dlion.protocol import CONFIG
     from flower_dlion.strategies import DistributedLion
+    from flower_dlion_app.client_app import app as client_app
+    from flower_dlion_app.local_grid import LocalGrid
 
     from .test_federation import LR, RUN_CONFIG, WD, initial_arrays
 
@@ -236,12 +236,12 @@ def test_anchored_partial_participation_keeps_every_replica_exact_across_anchors
 
 def test_in_sync_clients_get_the_packed_delta_unless_their_link_is_slow(monkeypatch: pytest.MonkeyPatch) -> None:
     # Prepare: 3 clients in sync for 6 rounds; their link unknown (the default), 10 Gbit/s, 1 kbit/s
-    from flower_dlion import client_app as repository_app
-    from flower_dlion.client_app import app as client_app
     from flower_dlion.clients.link import DecodeCost
-    from flower_dlion.local_grid import LocalGrid
     from flower_dlion.protocol import CONFIG
     from flower_dlion.strategies import DistributedLion
+    from flower_dlion_app import client_app as repository_app
+    from flower_dlion_app.client_app import app as client_app
+    from flower_dlion_app.local_grid import LocalGrid
 
     from .test_federation import LR, RUN_CONFIG, WD, run_rounds
 
@@ -272,10 +272,10 @@ def test_a_corrupted_delta_is_refused_naming_node_and_round_and_the_state_kept()
     from flwr.app import ConfigRecord
     from flwr.common.serde import context_to_proto
 
-    from flower_dlion.client_app import app as client_app
-    from flower_dlion.local_grid import LocalGrid
     from flower_dlion.protocol import BROADCAST, CONFIG
     from flower_dlion.strategies import DistributedLion
+    from flower_dlion_app.client_app import app as client_app
+    from flower_dlion_app.local_grid import LocalGrid
 
     from .test_federation import RUN_CONFIG, initial_arrays
 
@@ -309,8 +309,8 @@ def test_a_corrupted_delta_is_refused_naming_node_and_round_and_the_state_kept()
 
 
 def test_options_are_checked_before_round_1() -> None:
-    from flower_dlion.config import read_config
     from flower_dlion.strategies import DistributedLion
+    from flower_dlion_app.config import read_config
 
     with pytest.raises(ValueError, match="downlink='anchored' needs integer Δs"):
         DistributedLion(aggregation="mean", downlink="anchored")
@@ -365,10 +365,10 @@ def test_a_lost_reply_after_a_delta_is_taken_back_off_not_resynced(link: float) 
     # applied that Δ
     from flwr.app import ConfigRecord
 
-    from flower_dlion.client_app import app as client_app
-    from flower_dlion.local_grid import LocalGrid
     from flower_dlion.protocol import CONFIG
     from flower_dlion.strategies import DistributedLion
+    from flower_dlion_app.client_app import app as client_app
+    from flower_dlion_app.local_grid import LocalGrid
 
     from .test_federation import LR, RUN_CONFIG, WD, initial_arrays
 

@@ -18,20 +18,20 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord
 
 from flower_dlion import codec
-from flower_dlion.checkpoint import check_resumable, load_checkpoint, save_checkpoint
-from flower_dlion.client_app import app as client_app
-from flower_dlion.client_app import dlion
-from flower_dlion.clients.common import inject_failure
-from flower_dlion.clients.fedavg import _attack
 from flower_dlion.clients.state import crc32, read_state_file
 from flower_dlion.clients.state_store import save_state
-from flower_dlion.config import read_config
 from flower_dlion.lion import anchored
-from flower_dlion.local_grid import LocalGrid
-from flower_dlion.model import Net, flat_parameters
 from flower_dlion.protocol import UPLOAD
-from flower_dlion.server_app import run_federation
 from flower_dlion.strategies import DistributedLion
+from flower_dlion_app.checkpoint import check_resumable, load_checkpoint, save_checkpoint
+from flower_dlion_app.client_app import app as client_app
+from flower_dlion_app.client_app import dlion
+from flower_dlion_app.clients.common import inject_failure
+from flower_dlion_app.clients.fedavg import _attack
+from flower_dlion_app.config import read_config
+from flower_dlion_app.local_grid import LocalGrid
+from flower_dlion_app.model import Net, flat_parameters
+from flower_dlion_app.server_app import run_federation
 
 from .states import load, newest_file, rounds_in
 from .test_federation import LR, RUN_CONFIG, WD, gradient, initial_arrays, run_rounds, sync_replicas
@@ -335,9 +335,9 @@ RESUME_CFG = {
 
 KILLED_RUN = """
 import os, signal, sys, json
-from flower_dlion.client_app import app
-from flower_dlion.local_grid import LocalGrid
-from flower_dlion.server_app import run_federation
+from flower_dlion_app.client_app import app
+from flower_dlion_app.local_grid import LocalGrid
+from flower_dlion_app.server_app import run_federation
 cfg = json.loads(sys.argv[1])
 def hook(node_id, reply):
     if reply.metadata.group_id == "8":  # killed in round 8, after a client has trained (and saved its state)

@@ -12,15 +12,15 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message
 
-from flower_dlion.client_app import app as client_app
 from flower_dlion.clients.state import STATE_ARRAYS
-from flower_dlion.config import read_config
-from flower_dlion.data import load_fashion_mnist, partition_indices, sample_batch, to_tensor
-from flower_dlion.local_grid import LocalGrid
-from flower_dlion.model import Net, flat_gradient, flat_parameters
 from flower_dlion.protocol import UPLOAD
-from flower_dlion.server_app import run_federation
 from flower_dlion.strategies import DistributedLion
+from flower_dlion_app.client_app import app as client_app
+from flower_dlion_app.config import read_config
+from flower_dlion_app.data import load_fashion_mnist, partition_indices, sample_batch, to_tensor
+from flower_dlion_app.local_grid import LocalGrid
+from flower_dlion_app.model import Net, flat_gradient, flat_parameters
+from flower_dlion_app.server_app import run_federation
 
 from .states import load, replica_after
 

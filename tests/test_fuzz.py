@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 from flower_dlion import codec
 from flower_dlion.protocol import METRICS, UPLOAD
-from flower_dlion.strategies import DistributedLion, GlobalOptimizer
+from flower_dlion.strategies import DistributedLion
+from flower_dlion_app.strategies import GlobalOptimizer
 
 from .test_strategy import SIGNS, first_round, signs_reply
 

@@ -91,3 +91,36 @@ def test_the_formats_module_imports_nothing_of_the_package() -> None:
     path = PACKAGE / "formats.py"
     assert path.is_file()
     assert _imports_of_file(path) == []
+
+
+# ---------------------------------------------------------------- the library and the repository's app
+LIBRARY_FILES = sorted(PACKAGE.rglob("*.py"))
+APP = PACKAGE.parent / "flower_dlion_app"
+
+
+def _imports_anything(path: Path) -> list[tuple[int, str]]:
+    """Every import in a file, absolute names (``flower_dlion_app`` included), for the test below."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            found.append((node.lineno, node.module or ""))
+    return found
+
+
+@pytest.mark.parametrize("path", LIBRARY_FILES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_the_library_never_imports_the_repository_app(path: Path) -> None:
+    # Execute: absolute imports (a relative one cannot leave the package)
+    app = [(line, name) for line, name in _imports_anything(path) if name.split(".")[0] == "flower_dlion_app"]
+    # Assert
+    assert not app, f"{path.relative_to(PACKAGE.parent)} imports the repository's app: {app}"
+
+
+def test_the_app_holds_what_is_not_the_library() -> None:
+    # Assert: the app, its baselines and the harness are in flower_dlion_app/, none left in the library
+    names = ["server_app.py", "client_app.py", "data.py", "model.py", "config", "results.py", "metering.py"]
+    names += ["checkpoint.py", "deploy.py", "local_grid.py", "study", "clients/fedavg.py", "clients/gradient.py"]
+    names += ["clients/attacks.py", "clients/common.py", "strategies/global_opt.py", "strategies/scaffold.py"]
+    for name in names:
+        assert (APP / name).exists() and not (PACKAGE / name).exists(), name

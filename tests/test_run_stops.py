@@ -26,13 +26,13 @@ from flwr.clientapp import ClientApp
 from torch import nn
 
 from flower_dlion import DistributedLion, DLionClient
-from flower_dlion.client_app import app as client_app
-from flower_dlion.config import FEDAVG_FAMILY, read_config
-from flower_dlion.local_grid import LocalGrid
 from flower_dlion.protocol import CONTROL, HELLO_ACTION
-from flower_dlion.server_app import fedavg_family, run_federation
-from flower_dlion.strategies.global_opt import GlobalOptimizer
 from flower_dlion.strategies.run_stops import FailedRounds, RunStopped, short_reason
+from flower_dlion_app.client_app import app as client_app
+from flower_dlion_app.config import FEDAVG_FAMILY, read_config
+from flower_dlion_app.local_grid import LocalGrid
+from flower_dlion_app.server_app import fedavg_family, run_federation
+from flower_dlion_app.strategies.global_opt import GlobalOptimizer
 
 from .byom import ByomNet
 from .test_strategy import StubGrid
@@ -245,7 +245,7 @@ def test_only_the_last_five_distinct_reasons_are_kept() -> None:
 # characters, with colour codes), then the wrapper Flower raises
 TRACEBACK = (
     "\x1b[36mray::ClientAppActor.run()\x1b[39m (pid=13422, ip=192.0.2.2, actor_id=d02fd57f)\n"
-    + '  File "/app/flower_dlion/data.py", line 211, in _compute_partitions\n    return tuple(...)\n' * 40
+    + '  File "/app/flower_dlion_app/data.py", line 211, in _compute_partitions\n    return tuple(...)\n' * 40
     + "ZeroDivisionError: division by zero\n\nThe above exception was the direct cause of the following exception:\n\n"
     "\x1b[36mray::ClientAppActor.run()\x1b[39m (pid=13422, ip=192.0.2.2, actor_id=d02fd57f)\n"
     '  File "/flwr/simulation/ray_transport/ray_actor.py", line 65, in run\n'

@@ -8,13 +8,13 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord
 
 from flower_dlion import codec, quantizers
-from flower_dlion.client_app import app as client_app
-from flower_dlion.config import read_config
-from flower_dlion.local_grid import LocalGrid
-from flower_dlion.model import Net
 from flower_dlion.protocol import CONFIG, message_bytes
-from flower_dlion.server_app import build_strategy
 from flower_dlion.strategies import DistributedLion
+from flower_dlion_app.client_app import app as client_app
+from flower_dlion_app.config import read_config
+from flower_dlion_app.local_grid import LocalGrid
+from flower_dlion_app.model import Net
+from flower_dlion_app.server_app import build_strategy
 
 from .states import apply, node_at
 from .test_beyond import with_arrays

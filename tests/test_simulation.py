@@ -14,9 +14,9 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 from flwr.simulation import run_simulation
 
-from flower_dlion.client_app import app as client_app
-from flower_dlion.local_grid import LocalGrid
-from flower_dlion.server_app import run_federation
+from flower_dlion_app.client_app import app as client_app
+from flower_dlion_app.local_grid import LocalGrid
+from flower_dlion_app.server_app import run_federation
 
 pytestmark = pytest.mark.slow
 
@@ -57,7 +57,7 @@ def test_a_users_model_with_batchnorm_frozen_and_tied_weights_through_flowers_si
     from flwr.app import ArrayRecord
 
     from flower_dlion import DistributedLion
-    from flower_dlion.metering import MeteredGrid
+    from flower_dlion_app.metering import MeteredGrid
 
     from . import byom
 

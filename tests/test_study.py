@@ -10,17 +10,17 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp.strategy import FedAvg
 
-from flower_dlion.client_app import app as client_app
-from flower_dlion.config import FEDAVG_FAMILY, STRATEGIES
-from flower_dlion.data import load_fashion_mnist, partition_indices, to_tensor
-from flower_dlion.local_grid import LocalGrid
-from flower_dlion.metering import MeteredGrid
-from flower_dlion.model import Net
 from flower_dlion.protocol import HELLO
-from flower_dlion.server_app import run_federation, train_config
 from flower_dlion.strategies import DistributedLion
 from flower_dlion.strategies.common import HELLO_TYPE
-from flower_dlion.study import report, sweep
+from flower_dlion_app.client_app import app as client_app
+from flower_dlion_app.config import FEDAVG_FAMILY, STRATEGIES
+from flower_dlion_app.data import load_fashion_mnist, partition_indices, to_tensor
+from flower_dlion_app.local_grid import LocalGrid
+from flower_dlion_app.metering import MeteredGrid
+from flower_dlion_app.model import Net
+from flower_dlion_app.server_app import run_federation, train_config
+from flower_dlion_app.study import report, sweep
 from tests.test_data_config import fake_fashion_dir
 
 D = 281_034  # parameters of the shipped model
@@ -302,7 +302,7 @@ def test_bytes_to_target_table_uses_the_first_evaluation_at_the_target() -> None
 
 
 def test_time_model_is_the_documented_formula() -> None:
-    from flower_dlion.study.timemodel import modelled_times
+    from flower_dlion_app.study.timemodel import modelled_times
 
     # 2 clients; round 10: 4 s of wall time, 1 s of it the two evaluations; 20 MB down, 2 MB up in all
     record = {
@@ -320,7 +320,7 @@ def test_time_model_is_the_documented_formula() -> None:
 
 
 def test_robustness_table_groups_by_the_swept_key() -> None:
-    from flower_dlion.study.robustness import robustness_table
+    from flower_dlion_app.study.robustness import robustness_table
 
     def cell(label: str, f: float, acc: float, seed: int) -> dict:
         evals = [{"round": 10, "accuracy": acc, "cum_bytes_up": 1e6, "cum_bytes_down": 3e6}]

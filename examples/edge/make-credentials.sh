@@ -7,4 +7,4 @@
 #   OUT_DIR/keys/node<i>.pub        registered with the SuperLink (register-device.sh)
 set -euo pipefail
 out=$1 host=$2 nodes=$3 days=${4:-365}
-python -m flower_dlion.deploy certs --out "$out" --host "$host" --nodes "$nodes" --days "$days"
+python -m flower_dlion_app.deploy certs --out "$out" --host "$host" --nodes "$nodes" --days "$days"

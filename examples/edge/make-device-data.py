@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from flower_dlion.data import load_fashion_mnist, partition_indices
+from flower_dlion_app.data import load_fashion_mnist, partition_indices
 
 out, n = Path(sys.argv[1]), int(sys.argv[2])
 data = load_fashion_mnist()

@@ -1,4 +1,4 @@
-"""Client side of flower-dlion: :class:`DLionClient` (public), and the repository app's baseline clients."""
+"""Client side of flower-dlion: :class:`DLionClient`, and what it is built from."""
 
 from .dlion import ClientSettings, ClientStateError, DLionClient
 

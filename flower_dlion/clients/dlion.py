@@ -71,12 +71,13 @@ from ..protocol import (
     sync_prefixes,
     to_array,
 )
-from ..round_records import MAX_BATCHES, ReplyMetrics, RoundConfig, hello_keys
+from ..round_records import ReplyMetrics, RoundConfig, hello_keys
 from .link import ContextChoice, DecodeCost
 from .local_work import LocalWork, Tamper, age_momentum, synced_momentum, upload_arrays
 from .placement import Placement
 from .replica import Apply, apply_message
 from .resident import NodeState, ReplicaPool, Residents, device_memory
+from .settings import MAX_BATCHES, ClientSettings, DeviceMemoryError, positive, resolve_device
 from .state import CONTEXT_LIMIT, ClientStateError, Expected, default_state_dir, node_label
 from .state_store import StateStore, wait_for_writes
 
@@ -86,81 +87,6 @@ logger = logging.getLogger("flower_dlion")
 
 AUTO_FILES_FROM = 1 << 20  # trainable values from which the state goes to files by default (docs/PERFORMANCE.md §3)
 RESIDENT_SHARE = 0.25  # of the device's memory (the host's for the CPU) that resident node states may take by default
-
-
-@dataclass(frozen=True)
-class ClientSettings:
-    """Where a node computes and keeps its state.
-
-    Parameters
-    ----------
-    device : str (default: "auto")
-        ``"auto"`` (CUDA when available, else CPU), ``"cpu"``, ``"cuda"`` or ``"cuda:<i>"``.
-    state_dir : str | None (default: None)
-        A folder for state files (``<state_dir>/<run>/<node>/r<round>.state``): the node's state then
-        survives a SuperNode restart and a resumed ServerApp finds it. None: files only where
-        the state stays out of the context, in a temporary folder.
-    state_in_context : bool | None (default: None)
-        Keep the state in ``context.state`` too. None: yes below 2²⁰ trainable values, files
-        from there up (Flower serializes the context with every message).
-    momentum_dtype : {"float32", "bfloat16"} (default: "float32")
-        How m is stored between rounds (bfloat16: half the bytes; computed in float32).
-    max_resident : int | None (default: None)
-        How many nodes' states (m, e: 4–8 bytes a parameter each) this process keeps on the
-        device between their messages. None: as many as fit in a quarter of the device's memory
-        (the host's for the CPU); 0: none (every message starts from the persisted copy).
-    link_mbps : float | None (default: None)
-        The node's downlink in Mbit/s, for one choice: whether it asks for each Δ coded with the
-        two before it as context (~20 % fewer bytes down, an entropy decode of every value on the
-        host), which it does while that saves time (:mod:`.link`). None: the node config's
-        ``link-mbps`` if it has one, else the client never asks.
-    max_batches : int (default: 1000)
-        The most batches one round may take (``local-steps × accumulate``): a server that asks
-        for more is refused (:class:`~flower_dlion.round_records.RoundConfig`), so none can keep the node busy
-        for ever.
-
-    """
-
-    device: str = "auto"
-    state_dir: str | None = None
-    state_in_context: bool | None = None
-    momentum_dtype: str = "float32"
-    max_resident: int | None = None
-    link_mbps: float | None = None
-    max_batches: int = MAX_BATCHES
-
-    def __post_init__(self) -> None:
-        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
-            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:<index>', got {self.device!r}")
-        if self.momentum_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"momentum_dtype must be 'float32' or 'bfloat16', got {self.momentum_dtype!r}")
-        if self.state_in_context not in (None, True, False):
-            raise ValueError(f"state_in_context must be True, False or None (auto), got {self.state_in_context!r}")
-        if self.max_resident is not None and not (
-            isinstance(self.max_resident, int) and not isinstance(self.max_resident, bool) and self.max_resident >= 0
-        ):
-            raise ValueError(f"max_resident must be an int >= 0 or None (auto), got {self.max_resident!r}")
-        if self.link_mbps is not None and not _positive(self.link_mbps):
-            raise ValueError(f"link_mbps must be a finite number > 0 (Mbit/s) or None, got {self.link_mbps!r}")
-        if not (isinstance(self.max_batches, int) and not isinstance(self.max_batches, bool) and self.max_batches >= 1):
-            raise ValueError(f"max_batches must be an int >= 1, got {self.max_batches!r}")
-
-
-def _positive(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and 0 < float(value) < float("inf")
-
-
-class DeviceMemoryError(RuntimeError):
-    """The client's device ran out of memory; the message says how large the model is and what to set."""
-
-
-def resolve_device(name: str) -> torch.device:
-    """``auto`` → CUDA when available, else CPU."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ClientStateError(f"device {name!r} requested but torch.cuda.is_available() is False on this node")
-    return torch.device(name)
 
 
 @dataclass
@@ -457,7 +383,7 @@ class DLionClient:
         link = settings.link_mbps
         if link is None and "link-mbps" in context.node_config:
             link = float(context.node_config["link-mbps"])
-            if not _positive(link):
+            if not positive(link):
                 raise ClientStateError(f"node {context.node_id}: node config link-mbps = {link!r} (a number > 0)")
         choice = self._choices.get(owner)
         if choice is None or choice.link_mbps != link:

@@ -1,6 +1,5 @@
-"""Flower strategies of flower-dlion: Distributed Lion and the gradient baselines."""
+"""Server side of flower-dlion: the Distributed Lion strategy."""
 
 from .dlion import DistributedLion, RejectedReply
-from .global_opt import GlobalOptimizer
 
-__all__ = ["DistributedLion", "GlobalOptimizer", "RejectedReply"]
+__all__ = ["DistributedLion", "RejectedReply"]

@@ -334,7 +334,7 @@ class ReplyAggregation(ServerModelStrategy):
         return flip_fraction
 
     def result_row(self) -> dict[str, int | float]:
-        """The last round's fields for ``results.jsonl`` (see :class:`flower_dlion.results.Recorder`)."""
+        """The last round's fields for an app's per-round log (the repository app writes them to ``results.jsonl``)."""
         m = self.history[-1]
         keys = ("num-rejected", "num-failed", "full-syncs", "catch-ups", "checksum-mismatches", "state-resets")
         keys += ("applied", "bytes-up-fp32", "bytes-down-fp32", "tie-fraction", "agreement", "coin-flip-fraction")

@@ -8,9 +8,7 @@ can start at a later round (a resume); federated evaluation sends Flower's own e
 
 from __future__ import annotations
 
-import io
 import math
-import pprint
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -22,13 +20,13 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Result, Strategy
-from flwr.serverapp.strategy.result import format_value
+from flwr.serverapp.strategy import Strategy
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 from flwr.supercore import log
 
 from ..params import Entry, ModelSpec
 from ..protocol import HELLO, HELLO_ACTION, RejectedReply, error_text, to_array
+from .run_loop import DLionResult, run_rounds, run_totals
 from .run_stops import FailedRounds, RunStopped, nodes_text, short_reason, whole_reason
 
 __all__ = ["CheckedReplies", "DLionResult", "Layout", "ServerModelStrategy", "check_common_args", "spec_of_arrays"]
@@ -46,42 +44,6 @@ class CheckedReplies(Generic[R]):
     valid: list[R] = field(default_factory=list)  # what the check made of each valid reply, in arrival order
     answered: set[int] = field(default_factory=set)  # nodes that replied, validly or not
     rejected: int = 0  # replies refused (malformed, stale, an error, a node's second reply)
-
-
-TOTALS = ("num-replies", "num-rejected", "num-failed", "bytes-up", "bytes-down", "bytes-up-fp32", "bytes-down-fp32")
-"""The per-round metrics that :meth:`ServerModelStrategy.run_totals` sums over the run (those the strategy reports)."""
-
-
-@dataclass
-class DLionResult(Result):
-    """Flower's ``Result`` (what ``start`` returns) with the run's totals.
-
-    Attributes
-    ----------
-    totals : MetricRecord
-        Sums over every round in the strategy's ``history`` (a resumed run's from round 1),
-        from what the strategy measured on each round's train messages and their replies
-        (hellos and evaluate messages are not counted): ``rounds`` (rounds aggregated),
-        ``rounds-applied`` (rounds whose update was applied), ``num-replies`` (valid replies),
-        ``num-rejected``, ``num-failed`` (sampled nodes without a reply), ``bytes-up``,
-        ``bytes-down`` (measured), ``bytes-up-fp32``, ``bytes-down-fp32`` (the same messages with
-        float32 payloads), and ``fp32-over-sent-up`` / ``fp32-over-sent-down`` (how many times
-        fewer bytes than float32 were sent). A strategy that measures no bytes (the gradient
-        baselines) has only the counts.
-
-    """
-
-    totals: MetricRecord = field(default_factory=MetricRecord)
-
-    def __repr__(self) -> str:
-        """Flower's representation, then the run's totals."""
-        totals = {key: format_value(value) for key, value in self.totals.items()}
-        return (
-            super().__repr__()
-            + "\nRun totals (result.totals):\n"
-            + pprint.pformat(totals, indent=2, sort_dicts=False)
-            + "\n"
-        )
 
 
 def check_common_args(*, lr: float, weight_decay: float, betas: dict[str, float]) -> None:
@@ -106,27 +68,6 @@ def spec_of_arrays(arrays: dict[str, np.ndarray]) -> ModelSpec:
     if not arrays:
         raise ValueError("initial ArrayRecord is empty")
     return ModelSpec(tuple(Entry(name, tuple(a.shape), str(a.dtype), "trainable") for name, a in arrays.items()))
-
-
-def totals_line(totals: MetricRecord) -> str:
-    """The closing log line of ``start``: rounds, replies and, where measured, the bytes against float32's.
-
-    The repository's default run, in process: ``[flower-dlion] run totals (result.totals): 200 rounds,
-    2000 replies: 72.08 MB up, 114.16 MB down (fp32 would have been 2250.10 / 2250.58 MB: 31.2× / 19.7×
-    fewer)`` (MB: 10⁶ bytes); rejected replies and nodes without a reply are said where there were any.
-    """
-    rounds, replies = totals["rounds"], totals.get("num-replies", 0)
-    line = f"[flower-dlion] run totals (result.totals): {rounds} rounds, {replies} replies"
-    for key, what in (("num-rejected", "rejected"), ("num-failed", "without a reply")):
-        if totals.get(key):
-            line += f", {totals[key]} {what}"
-    if "bytes-up" in totals:
-        up, down, up32, down32 = (float(totals[f"bytes-{k}"]) / 1e6 for k in ("up", "down", "up-fp32", "down-fp32"))
-        line += (
-            f": {up:.2f} MB up, {down:.2f} MB down (fp32 would have been {up32:.2f} / {down32:.2f} MB: "
-            f"{float(totals['fp32-over-sent-up']):.1f}× / {float(totals['fp32-over-sent-down']):.1f}× fewer)"
-        )
-    return line
 
 
 class ServerModelStrategy(Strategy):
@@ -547,66 +488,22 @@ class ServerModelStrategy(Strategy):
             closing line, ``[flower-dlion] run totals (result.totals): …``.
 
         """
-        log(INFO, "Starting %s strategy (rounds %d to %d):", type(self).__name__, start_round, num_rounds)
-        self.summary()
-        self.query_timeout = timeout
-        self.num_rounds = num_rounds
-        train_config = ConfigRecord() if train_config is None else train_config
-        evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
-        result = DLionResult()
-        t_start = time.time()
-        arrays = initial_arrays
-        if evaluate_fn and start_round == 1:
-            res = evaluate_fn(0, initial_arrays)
-            if res is not None:
-                result.evaluate_metrics_serverapp[0] = res
-        for current_round in range(start_round, num_rounds + 1):
-            log(INFO, "")
-            log(INFO, "[ROUND %s/%s]", current_round, num_rounds)
-            replies = grid.send_and_receive(
-                messages=self.configure_train(current_round, arrays, train_config, grid), timeout=timeout
-            )
-            agg_arrays, agg_metrics = self.aggregate_train(current_round, replies)
-            if agg_arrays is not None:
-                result.arrays = arrays = agg_arrays
-            if agg_metrics is not None:
-                log(INFO, "\t└──> Aggregated MetricRecord: %s", agg_metrics)
-                result.train_metrics_clientapp[current_round] = agg_metrics
-            evaluations = list(self.configure_evaluate(current_round, arrays, evaluate_config, grid))
-            if evaluations:
-                agg_eval = self.aggregate_evaluate(current_round, grid.send_and_receive(evaluations, timeout=timeout))
-                if agg_eval is not None:
-                    log(INFO, "\t└──> Aggregated evaluation MetricRecord: %s", agg_eval)
-                    result.evaluate_metrics_clientapp[current_round] = agg_eval
-            if evaluate_fn:
-                res = evaluate_fn(current_round, arrays)
-                if res is not None:
-                    result.evaluate_metrics_serverapp[current_round] = res
-            if on_round_end:
-                on_round_end(current_round)
-        log(INFO, "Strategy execution finished in %.2fs", time.time() - t_start)
-        result.totals = self.run_totals()
-        for line in io.StringIO(str(result)):
-            log(INFO, "\t%s", line.strip("\n"))
-        log(INFO, "%s", totals_line(result.totals))
-        return result
+        return run_rounds(
+            self,
+            grid,
+            initial_arrays,
+            num_rounds,
+            timeout,
+            train_config or ConfigRecord(),
+            evaluate_config or ConfigRecord(),
+            evaluate_fn,
+            start_round=start_round,
+            on_round_end=on_round_end,
+        )
 
     def run_totals(self) -> MetricRecord:
-        """The run's totals over every round in ``history`` (what :attr:`DLionResult.totals` holds).
-
-        ``rounds`` and ``rounds-applied``, then the sum of each metric of :data:`TOTALS` that every
-        round reports, and, with the bytes, ``fp32-over-sent-up`` / ``-down``: the float32 bytes
-        over the bytes sent.
-        """
-        rows = self.history
-        totals: dict[str, int | float] = {"rounds": len(rows), "rounds-applied": sum(int(r["applied"]) for r in rows)}
-        for key in TOTALS:
-            if rows and all(key in r for r in rows):
-                totals[key] = sum(int(r[key]) for r in rows)
-        for way in ("up", "down"):
-            if f"bytes-{way}" in totals:
-                totals[f"fp32-over-sent-{way}"] = totals[f"bytes-{way}-fp32"] / max(totals[f"bytes-{way}"], 1)
-        return MetricRecord(totals)
+        """The run's totals so far (what :attr:`DLionResult.totals` holds; :func:`.run_loop.run_totals`)."""
+        return run_totals(self.history)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

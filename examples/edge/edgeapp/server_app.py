@@ -8,7 +8,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from edgeapp.task import EdgeNet, images
 from flower_dlion import DistributedLion
-from flower_dlion.data import load_fashion_mnist
+from flower_dlion_app.data import load_fashion_mnist
 
 app = ServerApp()
 

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from .keys import GROUPS
+from flower_dlion_app.config.keys import GROUPS
 
 __all__ = ["generated_files", "guide_table", "main", "pyproject_table"]
 
@@ -26,7 +26,10 @@ def _toml(value: Any) -> str:
 
 def pyproject_table() -> str:
     """``[tool.flwr.app.config]`` as ``pyproject.toml`` holds it: the groups' defaults, each group under a comment."""
-    lines = [_TABLE, "# Generated from flower_dlion/config/keys.py (GROUPS): python -m flower_dlion.config --write"]
+    lines = [
+        _TABLE,
+        "# Generated from flower_dlion_app/config/keys.py (GROUPS): python -m flower_dlion_app.config --write",
+    ]
     for name, group in GROUPS.items():
         lines.append(f"# {name}: {group.about}")
         lines += [f"{key} = {_toml(k.default)}" for key, k in group.keys.items()]
@@ -67,7 +70,7 @@ def generated_files(root: Path = ROOT) -> dict[Path, str]:
 
 
 def main() -> None:
-    """``python -m flower_dlion.config [--write]``: print the pyproject table, or rewrite both generated parts."""
+    """``python -m flower_dlion_app.config [--write]``: print the pyproject table, or rewrite both generated parts."""
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--write", action="store_true", help="rewrite pyproject.toml's table and GUIDE.md's")
     if not parser.parse_args().write:

@@ -9,7 +9,7 @@ With FedProx's "proximal-mu" μ > 0 in the config, each batch's loss gains μ/2�
 the model received (Li et al., 2020). With run config ``strategy = "scaffold"`` each step's
 gradient gains c − cᵢ (c: the message's "control" record, zeros without one; cᵢ: this
 node's, in ``context.state``), and the reply's "control" record holds
-Δcᵢ = −c + (1 − β)·(x − y)/(K·η) (:mod:`flower_dlion.strategies.scaffold`).
+Δcᵢ = −c + (1 − β)·(x − y)/(K·η) (:mod:`flower_dlion_app.strategies.scaffold`).
 
 Faults for studies: with ``byzantine-fraction`` the first k partitions send
 x + s·(−u) (``byzantine-mode = "flip"``) or x + s·‖u‖·ξ/‖ξ‖ with Gaussian ξ
@@ -24,10 +24,10 @@ import torch
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
 from torch import nn
 
-from ..data import to_tensor
-from ..protocol import CONTROL
-from .common import byzantine, partition, partition_id, setup
-from .state import ClientStateError
+from flower_dlion.clients.state import ClientStateError
+from flower_dlion.protocol import CONTROL
+from flower_dlion_app.clients.common import byzantine, partition, partition_id, setup
+from flower_dlion_app.data import to_tensor
 
 __all__ = ["train"]
 

@@ -23,12 +23,12 @@ from typing import Any
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
-from .clients import fedavg, gradient
-from .clients.attacks import attacker
-from .clients.common import PartitionBatches, byzantine, inject_failure, partition_id
-from .clients.dlion import ClientSettings, DLionClient, Tamper
-from .config import DLION_STRATEGIES, FEDAVG_FAMILY, read_config
-from .model import MODELS, Net
+from flower_dlion.clients.dlion import ClientSettings, DLionClient, Tamper
+from flower_dlion_app.clients import fedavg, gradient
+from flower_dlion_app.clients.attacks import attacker
+from flower_dlion_app.clients.common import PartitionBatches, byzantine, inject_failure, partition_id
+from flower_dlion_app.config import DLION_STRATEGIES, FEDAVG_FAMILY, read_config
+from flower_dlion_app.model import MODELS, Net
 
 BASELINES = {
     "global-lion": gradient.train,

@@ -6,7 +6,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from .keys import _CHOICES, DEFAULTS, DLION_ONLY, DLION_STRATEGIES, FEDAVG_FAMILY, FEDOPT
+from flower_dlion_app.config.keys import _CHOICES, DEFAULTS, DLION_ONLY, DLION_STRATEGIES, FEDAVG_FAMILY, FEDOPT
 
 __all__ = ["read_config"]
 

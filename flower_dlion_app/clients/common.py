@@ -16,10 +16,10 @@ import numpy as np
 import torch
 from flwr.app import Context
 
-from ..config import read_config
-from ..data import FashionMNIST, load_fashion_mnist, partition_indices, sample_batch, to_tensor
-from ..model import MODELS, Net
-from .dlion import ClientStateError, resolve_device
+from flower_dlion.clients.dlion import ClientStateError, resolve_device
+from flower_dlion_app.config import read_config
+from flower_dlion_app.data import FashionMNIST, load_fashion_mnist, partition_indices, sample_batch, to_tensor
+from flower_dlion_app.model import MODELS, Net
 
 __all__ = [
     "PartitionBatches",

@@ -31,18 +31,18 @@ from flwr.serverapp.strategy import (
 )
 from flwr.supercore import log
 
-from .checkpoint import check_resumable, load_checkpoint, save_checkpoint
-from .config import DLION_STRATEGIES, FEDAVG_FAMILY, FEDOPT, read_config
-from .data import load_fashion_mnist, to_tensor
-from .lion import cosine_decay
-from .metering import Exchange, MeteredGrid
-from .model import MODELS, evaluate
-from .protocol import sync_prefixes
-from .results import Recorder
-from .strategies.dlion import DistributedLion
-from .strategies.global_opt import GlobalOptimizer
-from .strategies.run_stops import FailedRounds, RunStopped, reply_error
-from .strategies.scaffold import Scaffold
+from flower_dlion.lion import cosine_decay
+from flower_dlion.protocol import sync_prefixes
+from flower_dlion.strategies.dlion import DistributedLion
+from flower_dlion.strategies.run_stops import FailedRounds, RunStopped, reply_error
+from flower_dlion_app.checkpoint import check_resumable, load_checkpoint, save_checkpoint
+from flower_dlion_app.config import DLION_STRATEGIES, FEDAVG_FAMILY, FEDOPT, read_config
+from flower_dlion_app.data import load_fashion_mnist, to_tensor
+from flower_dlion_app.metering import Exchange, MeteredGrid
+from flower_dlion_app.model import MODELS, evaluate
+from flower_dlion_app.results import Recorder
+from flower_dlion_app.strategies.global_opt import GlobalOptimizer
+from flower_dlion_app.strategies.scaffold import Scaffold
 
 __all__ = ["app", "build_strategy", "default_results_dir", "evaluation_set", "run_federation", "train_config"]
 
@@ -125,7 +125,7 @@ def fedavg_family(name: str, cfg: dict[str, Any]) -> Strategy:
     """Flower's FedAvg, FedProx, FedAdam, FedYogi, or a robust aggregator told what it needs to know of attackers.
 
     With ``lr-schedule`` the clients' SGD rate in round t is ``lr`` × the schedule's factor.
-    SCAFFOLD (:mod:`flower_dlion.strategies.scaffold`) sends its control variate c beside the model.
+    SCAFFOLD (:mod:`flower_dlion_app.strategies.scaffold`) sends its control variate c beside the model.
     FedProx sends ``proximal-mu`` to the clients (their loss gains μ/2·‖w − x‖²). FedAdam and
     FedYogi (Reddi et al., 2021) treat the mean client model change as a pseudo-gradient for a
     server Adam / Yogi step with ``server-lr`` (η), ``beta1``, ``beta2`` and ``server-tau`` (τ);
@@ -311,7 +311,7 @@ def run_federation(grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, s
 
     Writes ``results.jsonl`` (one object per round, round 0 = the initial model),
     ``summary.json`` and (with ``save_model``) ``final_model.pt`` into the results directory.
-    Bytes are measured on the messages by :class:`~flower_dlion.metering.MeteredGrid`, the
+    Bytes are measured on the messages by :class:`~flower_dlion_app.metering.MeteredGrid`, the
     same way for every strategy (train messages and the one hello per new node).
 
     With ``checkpoint-every`` K, ``checkpoint.pt`` is written atomically after every K-th

@@ -4,7 +4,7 @@
 source of the defaults. ``pyproject.toml``'s ``[tool.flwr.app.config]`` (what ``flwr run`` reads)
 and the key tables of docs/GUIDE.md are generated from it (:mod:`.generate`)::
 
-    python -m flower_dlion.config --write      # rewrite both; a test fails while either is stale
+    python -m flower_dlion_app.config --write      # rewrite both; a test fails while either is stale
 
 :func:`read_config` (:mod:`.checks`) merges a run config over :data:`DEFAULTS` and checks every
 value, so code that gets an empty run config (``run_simulation``, unit tests, the study harness)
@@ -12,8 +12,8 @@ behaves like ``flwr run``, and a bad value fails before round 1 with the key, th
 is allowed.
 """
 
-from .checks import read_config
-from .keys import (
+from flower_dlion_app.config.checks import read_config
+from flower_dlion_app.config.keys import (
     _CHOICES,
     BYZANTINE_MODES,
     DEFAULTS,

@@ -12,12 +12,12 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
 
-from .. import codec, quantizers
-from ..model import flat_gradient
-from ..params import ModelSpec, layout_fingerprint
-from ..protocol import GRAD_CONFIG, GRAD_METRICS, GRAD_MODEL, GRAD_UPDATE, TERNGRAD_STYPE, to_array
-from .common import batch, seeded_generator, setup
-from .dlion import ClientStateError
+from flower_dlion import codec, quantizers
+from flower_dlion.clients.dlion import ClientStateError
+from flower_dlion.params import ModelSpec, layout_fingerprint
+from flower_dlion.protocol import GRAD_CONFIG, GRAD_METRICS, GRAD_MODEL, GRAD_UPDATE, TERNGRAD_STYPE, to_array
+from flower_dlion_app.clients.common import batch, seeded_generator, setup
+from flower_dlion_app.model import flat_gradient
 
 __all__ = ["encode_terngrad", "train"]
 

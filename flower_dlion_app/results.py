@@ -1,7 +1,7 @@
 """What a run writes: one row per round in ``results.jsonl``, and ``summary.json`` at the end.
 
 A row holds the round's evaluation (when it was evaluated), the bytes measured on the round's
-messages by :class:`~flower_dlion.metering.MeteredGrid` (train messages and hellos), and the
+messages by :class:`~flower_dlion_app.metering.MeteredGrid` (train messages and hellos), and the
 fields the strategy itself adds (``strategy.result_row()``: D-Lion's full syncs, catch-ups, ties…).
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 from flwr.app import MessageType
 from flwr.serverapp.strategy import Strategy
 
-from .metering import MeteredGrid
+from flower_dlion_app.metering import MeteredGrid
 
 __all__ = ["Recorder"]
 

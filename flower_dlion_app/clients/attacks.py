@@ -23,9 +23,9 @@ import numpy as np
 import torch
 from flwr.app import Array
 
-from ..config import BYZANTINE_MODES
-from ..protocol import to_array
-from .dlion import Tamper
+from flower_dlion.clients.dlion import Tamper
+from flower_dlion.protocol import to_array
+from flower_dlion_app.config import BYZANTINE_MODES
 
 __all__ = ["Flip", "LittleIsEnough", "MomentumPoison", "RandomSigns", "ScaleLie", "attacker"]
 

@@ -2,8 +2,8 @@
 
 Usage::
 
-    python -m flower_dlion.deploy --nodes 3 --run-config "num-server-rounds=5" [--work DIR]
-    python -m flower_dlion.deploy certs --out DIR --host superlink.example.org [--nodes N] [--days D]
+    python -m flower_dlion_app.deploy --nodes 3 --run-config "num-server-rounds=5" [--work DIR]
+    python -m flower_dlion_app.deploy certs --out DIR --host superlink.example.org [--nodes N] [--days D]
 
 The second makes the credentials of a real deployment (examples/edge/README.md).
 
@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["certs"]:
         parser = argparse.ArgumentParser(
-            prog="python -m flower_dlion.deploy certs",
+            prog="python -m flower_dlion_app.deploy certs",
             description="Make the TLS certificates and SuperNode keys of a deployment (see make_credentials).",
         )
         parser.add_argument("--out", type=Path, required=True, help="folder for certs/ and keys/")

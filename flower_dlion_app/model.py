@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .params import Binding, cross_entropy_loss
+from flower_dlion.params import Binding, cross_entropy_loss
 
 __all__ = ["MODELS", "Net", "NetBN", "evaluate", "flat_gradient", "flat_parameters", "seeded_net"]
 

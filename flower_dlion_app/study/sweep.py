@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m flower_dlion.study.sweep examples/studies/study.toml [--workers 2] [--only PATTERN] [--dry-run]
+    python -m flower_dlion_app.study.sweep examples/studies/study.toml [--workers 2] [--only PATTERN] [--dry-run]
 
 The study file (TOML) names the grid, the run config shared by every cell and each
 strategy's hyperparameters (a list value sweeps that key, e.g. for tuning)::
@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import STRATEGIES, read_config
+from flower_dlion_app.config import STRATEGIES, read_config
 
 __all__ = ["Cell", "load_study", "main", "parse_partition", "run_cell", "run_sweep"]
 
@@ -157,10 +157,10 @@ def run_cell(cell: Cell, out: Path, threads: int | None = None) -> dict[str, Any
     if threads:
         torch.set_num_threads(threads)
     logging.getLogger("flwr").setLevel(logging.WARNING)
-    from ..client_app import app as client_app
-    from ..local_grid import LocalGrid
-    from ..server_app import run_federation
-    from ..strategies.run_stops import RunStopped
+    from flower_dlion.strategies.run_stops import RunStopped
+    from flower_dlion_app.client_app import app as client_app
+    from flower_dlion_app.local_grid import LocalGrid
+    from flower_dlion_app.server_app import run_federation
 
     work = out / "work" / cell.name
     cfg = {**cell.run_config, "results-dir": str(work)}

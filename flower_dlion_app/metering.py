@@ -21,7 +21,7 @@ from flwr.app import Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 
-from .protocol import message_bytes
+from flower_dlion.protocol import message_bytes
 
 __all__ = ["Exchange", "MeteredGrid"]
 

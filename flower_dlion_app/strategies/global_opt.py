@@ -18,9 +18,9 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, Met
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
-from .. import codec, lion, quantizers
-from ..params import layout_fingerprint
-from ..protocol import (
+from flower_dlion import codec, lion, quantizers
+from flower_dlion.params import layout_fingerprint
+from flower_dlion.protocol import (
     GRAD_CONFIG,
     GRAD_METRICS,
     GRAD_MODEL,
@@ -31,7 +31,7 @@ from ..protocol import (
     float_array,
     read_metrics,
 )
-from .common import ServerModelStrategy, check_common_args
+from flower_dlion.strategies.common import ServerModelStrategy, check_common_args
 
 __all__ = ["GlobalOptimizer"]
 
@@ -265,7 +265,7 @@ class GlobalOptimizer(ServerModelStrategy):
         return self.arrays(), MetricRecord(metrics)
 
     def result_row(self) -> dict[str, int]:
-        """The last round's fields for ``results.jsonl`` (see :class:`flower_dlion.results.Recorder`)."""
+        """The last round's fields for ``results.jsonl`` (see :class:`flower_dlion_app.results.Recorder`)."""
         return {"num_rejected": self.history[-1]["num-rejected"]}
 
     def state_dict(self) -> dict[str, Any]:

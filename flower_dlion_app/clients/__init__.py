@@ -1,0 +1,1 @@
+"""The repository app's clients besides DLionClient: FedAvg's local SGD, the gradient baselines, the attackers."""
