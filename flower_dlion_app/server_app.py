@@ -328,146 +328,178 @@ def run_federation(grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, s
     exception goes on (the ServerApp fails; no ``final_model.pt``). A finished run's summary has
     ``"status": "completed"``.
     """
-    cfg = read_config(run_config)
-    ckpt = load_checkpoint(Path(cfg["resume"]).expanduser()) if cfg["resume"] else None
-    if ckpt is not None:
-        check_resumable(ckpt["run-config"], cfg)
-    if cfg["results-dir"]:
-        out_dir = Path(cfg["results-dir"]).expanduser()
-    elif cfg["resume"]:
-        out_dir = Path(cfg["resume"]).expanduser().parent
-    else:
-        out_dir = default_results_dir(run_id)
-    out_dir = out_dir.resolve()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    log(INFO, "[flower-dlion] %s, results directory: %s", cfg["strategy"], out_dir)
-
-    torch.manual_seed(cfg["seed"])
-    model = MODELS[cfg["model"]]()  # the same x₀ as model.seeded_net(seed), which init = "seed" clients build
-    initial = ArrayRecord(model.state_dict())
-    eval_name, eval_x, eval_y = evaluation_set(cfg)
-    state_key = uuid.uuid4().hex if cfg["client-state-dir"] else ""  # kept across resumes (in the strategy)
-    strategy = build_strategy(cfg, state_key)
-    metered = MeteredGrid(grid, poll_interval=cfg["poll-interval"] or None)
-    num_rounds = cfg["num-server-rounds"]
-    resumable = isinstance(strategy, (DistributedLion, GlobalOptimizer))  # ours: start_round, on_round_end
-    start_round = 1
-    if ckpt is not None:
-        assert resumable
-        strategy.load_state_dict(ckpt["strategy"])
-        initial = strategy.arrays()
-        start_round = int(ckpt["round"]) + 1
-        metered.exchanges = [Exchange(**e) for e in ckpt["exchanges"]]
-        torch.set_rng_state(ckpt["torch-rng"])
-        log(INFO, "[flower-dlion] resuming from %s after round %d", cfg["resume"], start_round - 1)
-    recorder = (
-        Recorder(
-            out_dir,
-            metered,
-            list(ckpt["rows"]),
-            {int(k): float(v) for k, v in ckpt["evals"].items()},
-            dict(ckpt["elapsed"]),
+    run = Federation(grid, read_config(run_config), run_id)
+    try:
+        result = run.strategy.start(
+            grid=run.metered,
+            initial_arrays=run.initial,
+            num_rounds=run.num_rounds,
+            timeout=run.cfg["round-timeout"],
+            train_config=train_config(run.cfg),
+            evaluate_fn=run.evaluate,
+            **({"start_round": run.start_round, "on_round_end": run.on_round_end} if run.resumable else {}),
         )
-        if ckpt is not None
-        else Recorder(out_dir, metered)
-    )
+    except RunStopped as err:
+        run.write_summary(status="stopped", reason=str(err), stopped_in_round=err.server_round)
+        log(ERROR, "[flower-dlion] %s: stopped in round %d: %s", run.cfg["strategy"], err.server_round, err)
+        log(ERROR, "[flower-dlion] wrote %s (status 'stopped') and %s", run.out_dir / "summary.json", run.recorder.path)
+        raise
+    run.finish(result, save_model=save_model)
+    return result
 
-    def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+
+class Federation:
+    """One run of the app: prepared (or resumed), evaluated and checkpointed round by round, summarized.
+
+    Parameters
+    ----------
+    grid : Grid
+        The grid the run's messages go through (measured by a :class:`MeteredGrid` around it).
+    cfg : dict
+        The checked run config (:func:`read_config`).
+    run_id : int
+        Flower's run id (names the default results directory).
+
+    """
+
+    def __init__(self, grid: Grid, cfg: dict[str, Any], run_id: int) -> None:
+        self.cfg = cfg
+        self.ckpt = load_checkpoint(Path(cfg["resume"]).expanduser()) if cfg["resume"] else None
+        if self.ckpt is not None:
+            check_resumable(self.ckpt["run-config"], cfg)
+        self.out_dir = self._results_dir(run_id)
+        log(INFO, "[flower-dlion] %s, results directory: %s", cfg["strategy"], self.out_dir)
+        torch.manual_seed(cfg["seed"])
+        self.model = MODELS[cfg["model"]]()  # the same x₀ as model.seeded_net(seed), which init = "seed" clients build
+        self.initial = ArrayRecord(self.model.state_dict())
+        self.eval_name, self.eval_x, self.eval_y = evaluation_set(cfg)
+        state_key = uuid.uuid4().hex if cfg["client-state-dir"] else ""  # kept across resumes (in the strategy)
+        self.strategy = build_strategy(cfg, state_key)
+        self.metered = MeteredGrid(grid, poll_interval=cfg["poll-interval"] or None)
+        self.num_rounds = cfg["num-server-rounds"]
+        self.resumable = isinstance(self.strategy, (DistributedLion, GlobalOptimizer))  # start_round, on_round_end
+        self.start_round = 1
+        if self.ckpt is not None:
+            self._resume(self.ckpt)
+        self.recorder = self._recorder()
+
+    def _results_dir(self, run_id: int) -> Path:
+        """``results-dir``, else the resumed checkpoint's folder, else :func:`default_results_dir`; made."""
+        cfg = self.cfg
+        if cfg["results-dir"]:
+            out_dir = Path(cfg["results-dir"]).expanduser()
+        elif cfg["resume"]:
+            out_dir = Path(cfg["resume"]).expanduser().parent
+        else:
+            out_dir = default_results_dir(run_id)
+        out_dir = out_dir.resolve()
+        out_dir.mkdir(parents=True, exist_ok=True)
+        return out_dir
+
+    def _resume(self, ckpt: dict[str, Any]) -> None:
+        """Go on from a checkpoint: the strategy's state, the byte tallies, the rows, the RNG."""
+        assert self.resumable
+        self.strategy.load_state_dict(ckpt["strategy"])
+        self.initial = self.strategy.arrays()
+        self.start_round = int(ckpt["round"]) + 1
+        self.metered.exchanges = [Exchange(**e) for e in ckpt["exchanges"]]
+        torch.set_rng_state(ckpt["torch-rng"])
+        log(INFO, "[flower-dlion] resuming from %s after round %d", self.cfg["resume"], self.start_round - 1)
+
+    def _recorder(self) -> Recorder:
+        """The per-round log (``results.jsonl``), with a resumed run's rows so far."""
+        ckpt = self.ckpt
+        if ckpt is None:
+            return Recorder(self.out_dir, self.metered)
+        evals = {int(k): float(v) for k, v in ckpt["evals"].items()}
+        return Recorder(self.out_dir, self.metered, list(ckpt["rows"]), evals, dict(ckpt["elapsed"]))
+
+    def evaluate(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
         """Evaluate x every ``eval-every`` rounds (and first and last); log and record the round."""
         acc = loss = None
-        if server_round % cfg["eval-every"] == 0 or server_round == num_rounds:
+        if server_round % self.cfg["eval-every"] == 0 or server_round == self.num_rounds:
             t0 = time.perf_counter()
-            model.load_state_dict(arrays.to_torch_state_dict())
-            loss, acc = evaluate(model, eval_x, eval_y)
-            recorder.elapsed["eval"] += time.perf_counter() - t0
-        row = recorder.record(server_round, acc, loss, strategy)
+            self.model.load_state_dict(arrays.to_torch_state_dict())
+            loss, acc = evaluate(self.model, self.eval_x, self.eval_y)
+            self.recorder.elapsed["eval"] += time.perf_counter() - t0
+        row = self.recorder.record(server_round, acc, loss, self.strategy)
         if server_round > 0:
             log(
                 INFO,
                 "[flower-dlion] round %d/%d: %d replies | up %.1f KB | down %.1f KB | %s",
                 server_round,
-                num_rounds,
+                self.num_rounds,
                 row["num_replies"],
                 row["bytes_up"] / 1e3,
                 row["bytes_down"] / 1e3,
-                f"{eval_name} accuracy {acc:.4f}" if acc is not None else "not evaluated",
+                f"{self.eval_name} accuracy {acc:.4f}" if acc is not None else "not evaluated",
             )
         return None if acc is None else MetricRecord({"accuracy": acc, "loss": loss})
 
-    def on_round_end(server_round: int) -> None:
+    def on_round_end(self, server_round: int) -> None:
         """Write the checkpoint every ``checkpoint-every`` rounds and after the last one."""
-        every = cfg["checkpoint-every"]
-        if not every or (server_round % every and server_round != num_rounds):
+        every = self.cfg["checkpoint-every"]
+        if not every or (server_round % every and server_round != self.num_rounds):
             return
-        assert resumable
+        assert self.resumable
+        recorder, path = self.recorder, self.out_dir / "checkpoint.pt"
         payload = {
             "round": server_round,
-            "run-config": cfg,
-            "strategy": strategy.state_dict(),
+            "run-config": self.cfg,
+            "strategy": self.strategy.state_dict(),
             "rows": recorder.rows,
             "evals": recorder.evals,
-            "exchanges": [dataclasses.asdict(e) for e in metered.exchanges],
+            "exchanges": [dataclasses.asdict(e) for e in self.metered.exchanges],
             "elapsed": {"before": recorder.wall(), "eval": recorder.elapsed["eval"]},
             "torch-rng": torch.get_rng_state(),
         }
-        save_checkpoint(out_dir / "checkpoint.pt", payload)
-        if isinstance(strategy, DistributedLion):
-            strategy.checkpoint_round = server_round  # clients may now drop older state files
-        log(INFO, "[flower-dlion] round %d: checkpoint written to %s", server_round, out_dir / "checkpoint.pt")
+        save_checkpoint(path, payload)
+        if isinstance(self.strategy, DistributedLion):
+            self.strategy.checkpoint_round = server_round  # clients may now drop older state files
+        log(INFO, "[flower-dlion] round %d: checkpoint written to %s", server_round, path)
 
-    d = sum(p.numel() for p in model.parameters())
+    @property
+    def num_parameters(self) -> int:
+        """d, the model's parameters."""
+        return sum(p.numel() for p in self.model.parameters())
 
-    def write_summary(**status: Any) -> dict[str, Any]:
+    def write_summary(self, **status: Any) -> dict[str, Any]:
         """Write ``summary.json`` (``status``: how the run ended, see ``Recorder.summary``) and return it."""
-        summary = recorder.summary(
-            strategy,
-            name=cfg["strategy"],
-            eval_set=eval_name,
-            num_rounds=num_rounds,
-            num_parameters=d,
-            resumed_from_round=start_round - 1 if ckpt is not None else None,
-            config=cfg,
+        summary = self.recorder.summary(
+            self.strategy,
+            name=self.cfg["strategy"],
+            eval_set=self.eval_name,
+            num_rounds=self.num_rounds,
+            num_parameters=self.num_parameters,
+            resumed_from_round=self.start_round - 1 if self.ckpt is not None else None,
+            config=self.cfg,
             **status,
         )
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
 
-    try:
-        result = strategy.start(
-            grid=metered,
-            initial_arrays=initial,
-            num_rounds=num_rounds,
-            timeout=cfg["round-timeout"],
-            train_config=train_config(cfg),
-            evaluate_fn=evaluate_fn,
-            **({"start_round": start_round, "on_round_end": on_round_end} if resumable else {}),
+    def finish(self, result: Result, *, save_model: bool) -> None:
+        """The summary, the final model (``save_model``) and the closing log line."""
+        summary = self.write_summary()
+        if save_model:
+            state = self.model.state_dict() if result.arrays is None else result.arrays.to_torch_state_dict()
+            torch.save(state, self.out_dir / "final_model.pt")
+        final, d = summary["final_accuracy"], self.num_parameters
+        log(
+            INFO,
+            "[flower-dlion] done in %.1f s: %s, final %s accuracy %s | total up %.2f MB, down %.2f MB | "
+            "%.0f B up per reply = 1/%.1f of the fp32 model (%d B)",
+            summary["wall_time_s"],
+            self.cfg["strategy"],
+            self.eval_name,
+            "n/a" if final is None else f"{final:.4f}",
+            summary["total_mb_up"],
+            summary["total_mb_down"],
+            summary["bytes_up_per_reply"],
+            4 * d / max(summary["bytes_up_per_reply"], 1),
+            4 * d,
         )
-    except RunStopped as err:
-        write_summary(status="stopped", reason=str(err), stopped_in_round=err.server_round)
-        log(ERROR, "[flower-dlion] %s: stopped in round %d: %s", cfg["strategy"], err.server_round, err)
-        log(ERROR, "[flower-dlion] wrote %s (status 'stopped') and %s", out_dir / "summary.json", recorder.path)
-        raise
-    summary = write_summary()
-    if save_model:
-        state = model.state_dict() if result.arrays is None else result.arrays.to_torch_state_dict()
-        torch.save(state, out_dir / "final_model.pt")
-    final, wall = summary["final_accuracy"], summary["wall_time_s"]
-    log(
-        INFO,
-        "[flower-dlion] done in %.1f s: %s, final %s accuracy %s | total up %.2f MB, down %.2f MB | "
-        "%.0f B up per reply = 1/%.1f of the fp32 model (%d B)",
-        wall,
-        cfg["strategy"],
-        eval_name,
-        "n/a" if final is None else f"{final:.4f}",
-        summary["total_mb_up"],
-        summary["total_mb_down"],
-        summary["bytes_up_per_reply"],
-        4 * d / max(summary["bytes_up_per_reply"], 1),
-        4 * d,
-    )
-    log(INFO, "[flower-dlion] wrote %s", recorder.path)
-    return result
+        log(INFO, "[flower-dlion] wrote %s", self.recorder.path)
 
 
 app = ServerApp()

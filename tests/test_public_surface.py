@@ -219,7 +219,8 @@ def test_two_batches_start_over_for_five_local_steps_and_a_used_up_generator_say
     # … the generator cannot, and the node's error reply says why and what to pass instead
     assert [b for pid, _, b in seen if pid == 1] == [0, 1]
     assert (
-        "rejected reply from node 1001 (partition 1): client error (code 2): <class 'ValueError'>:<'batches is "
+        "rejected reply from node 1001 (partition 1): client error (code 2): <class 'ValueError'>:<'node 1001: "
+        "batches is "
         "used up: it is an iterator (generator), which gives its batches once, and it ran out after 2 batches this "
         "round (a round takes local-steps × accumulate batches, starting over when they run out); pass something "
         "that can be iterated again (a DataLoader, a list)'>"
@@ -246,7 +247,8 @@ def test_empty_batches_fail_the_round_saying_so_and_the_node_keeps_its_state(
     )
     # Assert: an error reply that says what is wrong …
     assert (
-        "rejected reply from node 1001 (partition 1): client error (code 2): <class 'ValueError'>:<'batches is "
+        "rejected reply from node 1001 (partition 1): client error (code 2): <class 'ValueError'>:<'node 1001: "
+        "batches is "
         "empty: the round needs at least one batch, and the list gave none (an empty partition? a DataLoader "
         "with drop_last=True and fewer examples than its batch_size?)'>"
     ) in caplog.text

@@ -55,7 +55,7 @@ class ReplyAggregation(ServerModelStrategy):
     Checks the round's replies, turns the valid ones into Δ, applies Δ to x, and reports the round.
     """
 
-    # Set by DistributedLion.__init__ (its docstring says what each one is).
+    # Set by DistributedLion: its options (read-only, from ``options``: its docstring says what each is), its state.
     state: ServerState
     aggregation: str
     upload: str

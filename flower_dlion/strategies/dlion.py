@@ -10,9 +10,9 @@ Start here. One round of :class:`DistributedLion`, and where each step lives:
 - what the server keeps between rounds, and checkpoints, is a
   :class:`~flower_dlion.strategies.server_state.ServerState`.
 
-The constructor's argument checks are in :mod:`~flower_dlion.strategies.dlion_arguments`; the
-sampling, the hellos and the round loop that both of our strategies share in
-:mod:`~flower_dlion.strategies.common`.
+The constructor keeps its arguments in small groups that check themselves
+(:mod:`~flower_dlion.strategies.options`; ``strategy.options``); the sampling, the hellos and the
+round loop that both of our strategies share are in :mod:`~flower_dlion.strategies.common`.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from ..protocol import STATE_KEY, RejectedReply, checksum
 from ..uploads import Shape, upload_kind
 from .aggregation import ReplyAggregation
 from .common import DLionResult
-from .dlion_arguments import check_step_and_downlink_arguments, check_update_arguments
 from .downlink_messages import DownlinkMessages
+from .options import DownlinkOptions, LocalOptions, OptionAttribute, Options, StepOptions, SyncOptions, UplinkOptions
 from .server_state import Broadcast, Round, ServerState
 
 __all__ = ["Broadcast", "DistributedLion", "RejectedReply", "ServerState"]
@@ -218,6 +218,31 @@ class DistributedLion(DownlinkMessages, ReplyAggregation):
 
     """
 
+    # Each option by its argument name, read-only: ``strategy.lr`` is ``strategy.options.step.lr``.
+    lr = OptionAttribute("step")
+    lr_schedule = OptionAttribute("step")
+    weight_decay = OptionAttribute("step")
+    beta1 = OptionAttribute("step")
+    beta2 = OptionAttribute("step")
+    local_steps = OptionAttribute("local")
+    local_optimizer = OptionAttribute("local")
+    local_lr = OptionAttribute("local")
+    local_proximal_mu = OptionAttribute("local")
+    stale_momentum = OptionAttribute("local")
+    accumulate = OptionAttribute("local")
+    aggregation = OptionAttribute("uplink")
+    upload = OptionAttribute("uplink")
+    broadcast_bits = OptionAttribute("uplink")
+    server_momentum = OptionAttribute("uplink")
+    scale_block = OptionAttribute("uplink")
+    downlink = OptionAttribute("downlink")
+    anchor_every = OptionAttribute("downlink")
+    max_history_bytes = OptionAttribute("downlink")
+    init_seed = OptionAttribute("downlink")
+    momentum_sync_every = OptionAttribute("sync")
+    momentum_sync_layers = OptionAttribute("sync")
+    buffer_sync_every = OptionAttribute("sync")
+
     def __init__(
         self,
         *,
@@ -254,80 +279,32 @@ class DistributedLion(DownlinkMessages, ReplyAggregation):
         downlink: Literal["auto", "anchored", "chain"] = "auto",
         anchor_every: int = 200,
     ) -> None:
-        # Check every argument (ValueError naming it), then store them.
-        check_update_arguments(
-            aggregation=aggregation,
-            upload=upload,
-            local_steps=local_steps,
-            accumulate=accumulate,
-            broadcast_bits=broadcast_bits,
-            momentum_sync_every=momentum_sync_every,
-            buffer_sync_every=buffer_sync_every,
-            local_optimizer=local_optimizer,
-            local_lr=local_lr,
-            stale_momentum=stale_momentum,
-            local_proximal_mu=local_proximal_mu,
-            server_momentum=server_momentum,
-            scale_block=scale_block,
-        )
+        self.options = Options(  # each group checks itself as it is built, then Options checks them together
+            step=StepOptions(lr=lr, lr_schedule=lr_schedule, weight_decay=weight_decay, beta1=beta1, beta2=beta2),
+            local=LocalOptions(local_steps=local_steps, local_optimizer=local_optimizer, local_lr=local_lr,
+                local_proximal_mu=local_proximal_mu, stale_momentum=stale_momentum, accumulate=accumulate),
+            uplink=UplinkOptions(aggregation=aggregation, upload=upload, broadcast_bits=broadcast_bits,
+                server_momentum=server_momentum, scale_block=scale_block),
+            downlink=DownlinkOptions(downlink=downlink, anchor_every=anchor_every, max_history_bytes=max_history_bytes,
+                init_seed=init_seed),
+            sync=SyncOptions(momentum_sync_every=momentum_sync_every, momentum_sync_layers=momentum_sync_layers,
+                buffer_sync_every=buffer_sync_every),
+        )  # fmt: skip
         super().__init__(  # checks and keeps the sampling arguments
-            fraction_train=fraction_train,
-            min_train_nodes=min_train_nodes,
-            min_available_nodes=min_available_nodes,
-            min_replies=min_replies,
-            sample_seed=sample_seed,
-            fraction_evaluate=fraction_evaluate,
-            min_evaluate_nodes=min_evaluate_nodes,
-            max_failed_rounds=max_failed_rounds,
-        )
-        lion_steps = 1 if local_optimizer == "sgd" else local_steps  # Lion steps a round counts
-        check_step_and_downlink_arguments(
-            lr=lr,
-            weight_decay=weight_decay,
-            beta1=beta1,
-            beta2=beta2,
-            lion_steps=lion_steps,
-            local_steps=local_steps,
-            max_history_bytes=max_history_bytes,
-            aggregation=aggregation,
-            broadcast_bits=broadcast_bits,
-            downlink=downlink,
-            lr_schedule=lr_schedule,
-            anchor_every=anchor_every,
-        )
-        exact_vote = aggregation == "vote" and broadcast_bits == 0
-        self.aggregation = aggregation
-        self.lr = lr
-        self.lr_schedule = lr_schedule
-        self.weight_decay = weight_decay
-        self.beta1 = beta1
-        self.beta2 = beta2
-        self.max_history_bytes = max_history_bytes
-        self.local_steps = local_steps
-        self.local_optimizer = local_optimizer
-        self.local_lr = local_lr
-        self.local_proximal_mu = local_proximal_mu
-        self.stale_momentum = stale_momentum
-        self._lion_steps = lion_steps  # K for local Lion steps, 1 for the sgd client: Δ's scale and decay
-        self.accumulate = accumulate
-        self.upload = upload
-        self._kind = upload_kind(upload)
-        self.broadcast_bits = broadcast_bits
-        self.scale_block = scale_block
-        self.server_momentum = server_momentum
-        self.momentum_sync_every = momentum_sync_every
-        self.momentum_sync_layers = tuple(momentum_sync_layers)
-        self.buffer_sync_every = buffer_sync_every
-        self.init_seed = init_seed
+            fraction_train=fraction_train, min_train_nodes=min_train_nodes, min_available_nodes=min_available_nodes,
+            min_replies=min_replies, sample_seed=sample_seed, fraction_evaluate=fraction_evaluate,
+            min_evaluate_nodes=min_evaluate_nodes, max_failed_rounds=max_failed_rounds,
+        )  # fmt: skip
         if state_key and not STATE_KEY.fullmatch(state_key):
             raise ValueError(f"state_key must be 1 to 64 of A-Z a-z 0-9 _ - (a folder name) or '', got {state_key!r}")
         self.state_key = state_key
         self._auto_key = secrets.token_hex(8)  # this run's, where state_key names none (see run_key)
-        self.anchored = downlink == "anchored" or (downlink == "auto" and exact_vote and lr_schedule is None)
-        self.anchor_every = anchor_every
+        self._kind = upload_kind(upload)
         self.checkpoint_round = 0  # the latest checkpoint's round (clients keep their state as of it)
+        self._start_bookkeeping()
 
-        # Global model and its bookkeeping, set from the initial arrays in round 1.
+    def _start_bookkeeping(self) -> None:
+        """The global model and its bookkeeping, empty: set from the initial arrays in round 1."""
         self.state = ServerState()
         self._round: Round | None = None
         self._mask: torch.Tensor | None = None  # parameters whose momentum is synchronized
@@ -339,6 +316,16 @@ class DistributedLion(DownlinkMessages, ReplyAggregation):
         self._told_seed = False  # the init-seed mismatch warning was logged
         self._clipped = 0  # ef-sign scales cut to the median in the round in progress
         self.history: list[dict[str, Any]] = []  # one dict of metrics per aggregated round
+
+    @property
+    def anchored(self) -> bool:
+        """Whether the downlink is anchored (``downlink="anchored"``, or "auto" where it applies)."""
+        return self.options.anchored
+
+    @property
+    def _lion_steps(self) -> int:
+        """K for local Lion steps, 1 for the sgd client: Δ's scale and decay."""
+        return self.options.local.lion_steps
 
     def lr_at(self, server_round: int) -> float:
         """The learning rate of ``server_round``: ``lr · lr_schedule(server_round)``.

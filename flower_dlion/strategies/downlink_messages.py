@@ -49,7 +49,7 @@ class DownlinkMessages(ServerModelStrategy):
     Builds each sampled node's train message and keeps the encoded Δs of the chain downlink.
     """
 
-    # Set by DistributedLion.__init__ (its docstring says what each one is).
+    # Set by DistributedLion: its options (read-only, from ``options``: its docstring says what each is), its state.
     state: ServerState
     anchored: bool
     anchor_every: int
