@@ -60,20 +60,18 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from torch import nn
 
-from ..params import Binding, LossFn, cross_entropy_loss, layer_mask, layout_fingerprint
+from ..params import Binding, LossFn, cross_entropy_loss, layout_fingerprint
 from ..protocol import (
     CONFIG,
     HELLO,
     HELLO_ACTION,
     METRICS,
-    MOMENTUM,
     UPLOAD,
-    sync_prefixes,
     to_array,
 )
 from ..round_records import ReplyMetrics, RoundConfig, hello_keys
 from .link import ContextChoice, DecodeCost
-from .local_work import LocalWork, Tamper, age_momentum, synced_momentum, upload_arrays
+from .local_work import LocalWork, Tamper, adopt_momentum, age_momentum, round_generator, round_seed, upload_arrays
 from .placement import Placement
 from .replica import Apply, apply_message
 from .resident import NodeState, ReplicaPool, Residents, device_memory
@@ -310,18 +308,11 @@ class DLionClient:
         key = _node_key(context)
         bound, spec, device = here.bound, here.bound.spec, here.placement.device
         age_momentum(node, before, cfg)
-        mask = None
-        if sync or MOMENTUM in msg.content:  # parameters whose momentum is synchronized
-            layers = sync_prefixes(cfg.momentum_sync_layers)
-            mask = here.placement.to_device(layer_mask(spec.layout, layers).numpy())
-        if MOMENTUM in msg.content:
-            assert mask is not None
-            synced = synced_momentum(msg.content[MOMENTUM], int(mask.sum()), context.node_id)
-            node.m[mask] = here.placement.to_device(synced)
+        mask = adopt_momentum(node, msg.content, cfg, here.placement, spec.layout, context.node_id)
         bound.load_rest_(node.rest)
 
         # 2.–3. the local Lion steps and the upload
-        gen = _generator(device, seed, key, server_round)  # coin flips for exact zeros
+        gen = round_generator(device, seed, key, server_round)  # coin flips for exact zeros
         if here.grad is None:
             here.grad = torch.empty(spec.d, device=device)
         replica = (node.replica.x, node.replica.ident)
@@ -336,14 +327,14 @@ class DLionClient:
         )
         flips: list[int] = []  # how many signs were coin flips (exact zeros of the Lion mix)
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            torch.manual_seed(_seed(seed, key, server_round, 1))  # the batches' shuffles, dropout
+            torch.manual_seed(round_seed(seed, key, server_round, 1))  # the batches' shuffles, dropout
             arrays = upload_arrays(node, cfg, spec.sizes, work, gen, tamper, flips)
         if sync:
             assert mask is not None
             arrays["momentum"] = to_array(here.placement.to_host(node.m[mask]))
         node.rest = node.rest | {name: t.clone() for name, t in bound.buffers().items()}  # the client's own buffers
         if cfg.buffers:
-            arrays["buffers"] = to_array(_flat_buffers(node, spec, here.placement))
+            arrays["buffers"] = to_array(here.placement.buffers_to_host(node.rest, [e.name for e in spec.buffers]))
         if tamper is not None:
             arrays = tamper.arrays(arrays)
         node.round = server_round
@@ -453,21 +444,7 @@ class DLionClient:
             logger.warning(fmt, *args)
 
 
-def _flat_buffers(node: NodeState, spec: Any, placement: Placement) -> np.ndarray:
-    """The client's buffers in spec order, as one flat float32 vector on the host."""
-    return placement.to_host(torch.cat([node.rest[e.name].detach().reshape(-1).float() for e in spec.buffers]))
-
-
 def _node_key(context: Context) -> int:
     """The node's integer identity: its partition id, else its node id."""
     pid = context.node_config.get("partition-id")
     return int(pid) if pid is not None else int(context.node_id)
-
-
-def _seed(*keys: int) -> int:
-    return int(np.random.SeedSequence([k % 2**64 for k in keys]).generate_state(1)[0])
-
-
-def _generator(device: torch.device, *keys: int) -> torch.Generator:
-    """A torch generator on ``device`` seeded from integer keys (seed, node, round)."""
-    return torch.Generator(device=device).manual_seed(_seed(*keys))

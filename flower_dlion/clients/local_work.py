@@ -11,18 +11,19 @@ and the server's synced momentum. The ClientApp's plumbing around them is :mod:`
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord
+from flwr.app import Array, ArrayRecord, RecordDict
 
 from .. import codec, lion, quantizers
-from ..params import Binding, LossFn
-from ..protocol import SIGN_STYPE, bits_array
+from ..params import Binding, LossFn, layer_mask
+from ..protocol import MOMENTUM, SIGN_STYPE, bits_array, sync_prefixes
 from ..round_records import PROXIMAL_LIMIT, RoundConfig
 from ..uploads import UPLOADS, Shape
+from .placement import Placement
 from .resident import NodeState
 from .state import ClientStateError
 
@@ -31,7 +32,10 @@ __all__ = [
     "PROXIMAL_LIMIT",
     "LocalWork",
     "Tamper",
+    "adopt_momentum",
     "age_momentum",
+    "round_generator",
+    "round_seed",
     "synced_momentum",
     "upload_arrays",
 ]
@@ -191,6 +195,38 @@ def age_momentum(state: NodeState, before: int | None, cfg: RoundConfig) -> None
         state.m.mul_(cfg.beta2**missed)
     else:
         state.m.zero_()
+
+
+def adopt_momentum(
+    node: NodeState,
+    content: RecordDict,
+    cfg: RoundConfig,
+    placement: Placement,
+    layout: Iterable[tuple[str, Sequence[int]]],
+    node_id: int,
+) -> torch.Tensor | None:
+    """The synced momentum the server sent (if it did) into m; the mask of the synced parameters, or None.
+
+    The mask (``momentum-sync-layers``' parameters, on the device) is made where the round syncs
+    the momentum (``cfg.momentum_sync``: the reply carries them) or the message brings the server's.
+    """
+    if not (cfg.momentum_sync or MOMENTUM in content):
+        return None
+    mask = placement.to_device(layer_mask(layout, sync_prefixes(cfg.momentum_sync_layers)).numpy())
+    if MOMENTUM in content:
+        synced = synced_momentum(content[MOMENTUM], int(mask.sum()), node_id)
+        node.m[mask] = placement.to_device(synced)
+    return mask
+
+
+def round_seed(*keys: int) -> int:
+    """One 64-bit seed from integer keys (the run's seed, the node, the round, …)."""
+    return int(np.random.SeedSequence([k % 2**64 for k in keys]).generate_state(1)[0])
+
+
+def round_generator(device: torch.device, *keys: int) -> torch.Generator:
+    """A torch generator on ``device`` seeded from integer keys (seed, node, round): the round's coin flips."""
+    return torch.Generator(device=device).manual_seed(round_seed(*keys))
 
 
 def synced_momentum(record: ArrayRecord, count: int, node_id: int) -> np.ndarray:

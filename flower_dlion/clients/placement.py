@@ -53,6 +53,10 @@ class Placement:
         """Received bytes as a uint8 tensor on the device."""
         return self.to_device(np.frombuffer(bytearray(data), dtype=np.uint8))
 
+    def buffers_to_host(self, rest: dict[str, torch.Tensor], names: list[str]) -> np.ndarray:
+        """The buffers ``names`` of ``rest``, in that order, as one flat float32 vector on the host."""
+        return self.to_host(torch.cat([rest[name].detach().reshape(-1).float() for name in names]))
+
     def to_host(self, t: torch.Tensor) -> np.ndarray:
         """A tensor as a host array (the CPU: the same memory; a GPU: one copy into pinned memory).
 

@@ -21,10 +21,9 @@ decoding or computing it again. The one Δ of an in-sync node is applied on the 
 step (:func:`downlink.step_counts`: its packed levels go to the device, the counts and x come
 out); catch-ups and context-coded Δs are decoded on the host (the entropy coder) and cross once.
 
-Anything that does not fit the replica, or is out of range (a level above L − 1, a
-non-finite or negative scale, a learning rate or decay that would not shrink x, a non-finite
-model), raises :class:`ClientStateError` naming the problem; the node's state is then left as
-it was and the server sends the full model next time.
+Anything that does not fit the replica or is out of range (a level above L − 1, a bad scale, rate
+or decay, a non-finite model) raises :class:`ClientStateError` naming the problem; the node's
+state is left as it was and the server sends the full model next time.
 """
 
 from __future__ import annotations
