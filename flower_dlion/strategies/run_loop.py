@@ -68,9 +68,9 @@ class DLionResult(Result):
 def totals_line(totals: MetricRecord) -> str:
     """The closing log line of ``start``: rounds, replies and, where measured, the bytes against float32's.
 
-    The repository's default run, in process: ``[flower-dlion] run totals (result.totals): 200 rounds,
-    2000 replies: 72.08 MB up, 114.16 MB down (fp32 would have been 2250.10 / 2250.58 MB: 31.2× / 19.7×
-    fewer)`` (MB: 10⁶ bytes); rejected replies and nodes without a reply are said where there were any.
+    E.g. ``[flower-dlion] run totals (result.totals): 200 rounds, 2000 replies: 72.14 MB up, 114.20 MB
+    down (fp32 would have been 2250.15 / 2250.62 MB: 31.2× / 19.7× fewer)`` (MB: 10⁶ bytes; the
+    repository's default run); rejected replies and nodes without a reply are said where there were any.
     """
     rounds, replies = totals["rounds"], totals.get("num-replies", 0)
     line = f"[flower-dlion] run totals (result.totals): {rounds} rounds, {replies} replies"
