@@ -35,6 +35,7 @@ __all__ = [
     "local_step_",
     "local_steps_",
     "update_momentum_",
+    "weighted_vote",
 ]
 
 Aggregation = Literal["vote", "mean"]
@@ -140,18 +141,45 @@ class Levels(NamedTuple):
 
 
 def aggregate(votes: torch.Tensor, n: int, how: Aggregation, k: int = 1) -> Levels:
-    """Aggregate the sum ``S = Σᵢ uᵢ`` of ``n`` workers' integer updates ``uᵢ ∈ [−k, k]``.
+    """Aggregate the sum ``S = Σᵢ uᵢ`` of ``n`` workers' integer updates ``uᵢ ∈ [−k, k]``: THE definition.
 
     With one Lion step per round (``k = 1``) the uᵢ are the signs δᵢ; with K local steps
     they are the sums of the K signs (``k = K``, FedLion's upload).
 
     vote: ``Δ = sign(S)``, 0 on a tie (never broken toward one side). With ``k = 1`` and odd
-    ``n`` no tie is possible, so Δ ∈ {−1, +1} needs 2 levels; otherwise it needs 3.
+    ``n`` no tie is possible, so Δ ∈ {−1, +1} needs 2 levels ``[S > 0]``; otherwise it needs 3,
+    ``sign(S) + 1``.
     mean: ``Δ = S / (n·k)`` (multiply by ``k`` for the mean of the uᵢ). With ``k = 1``,
     ``S ∈ {−n, −n+2, …, n}``: n + 1 levels ``(S + n) / 2``; with ``k > 1`` every integer in
     ``[−nk, nk]`` can occur: 2nk + 1 levels ``S + nk``.
 
-    Use :func:`flower_dlion.codec.levels_to_values` to get Δ itself.
+    Every other computation of these levels is this function's twin, equal to it bit for bit:
+    :func:`flower_dlion.codec.aggregate_packed` counts them straight from n packed sign payloads
+    (``k = 1``, S = 2·c − n for c the votes for +1), and :func:`flower_dlion.server_delta.choose_aggregator`
+    picks it for the 1-bit sign upload (tests/test_aggregation_home.py holds the two equal).
+
+    Parameters
+    ----------
+    votes
+        S, integer values (any dtype; taken as int32), |S| ≤ n·k.
+    n
+        The number of workers summed, ≥ 1.
+    how
+        ``"vote"`` or ``"mean"``.
+    k
+        The largest |uᵢ|, ≥ 1.
+
+    Returns
+    -------
+    Levels
+        int32 levels and their number L: ``Δ = (2·levels − (L−1)) / (L−1)``
+        (:func:`flower_dlion.codec.levels_to_values`).
+
+    Raises
+    ------
+    ValueError
+        ``n`` or ``k`` below 1, or ``how`` neither ``"vote"`` nor ``"mean"``.
+
     """
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
@@ -167,6 +195,28 @@ def aggregate(votes: torch.Tensor, n: int, how: Aggregation, k: int = 1) -> Leve
             return Levels((s + n).floor_divide_(2), n + 1)  # S + n is even
         return Levels(s + n * k, 2 * n * k + 1)
     raise ValueError(f"aggregation must be 'vote' or 'mean', got {how!r}")
+
+
+def weighted_vote(votes: torch.Tensor) -> Levels:
+    """The vote of a real-valued sum ``S = Σᵢ sᵢ·δᵢ`` of scaled signs: ``Δ = sign(S)`` as 3 levels.
+
+    The vote of :func:`aggregate` where each worker's sign counts with its own scale
+    ``sᵢ ≥ 0`` (the ef-sign upload): S is not an integer, so its sign is taken as it is
+    (never rounded toward 0 first), and S can be exactly 0 for any n: always 3 levels
+    ``sign(S) + 1`` (a mean has no integer levels: it is sent quantized instead).
+
+    Parameters
+    ----------
+    votes
+        S, floating point.
+
+    Returns
+    -------
+    Levels
+        int32 levels in {0, 1, 2} for Δ ∈ {−1, 0, +1}, and 3.
+
+    """
+    return Levels((torch.sign(votes) + 1).to(torch.int32), 3)
 
 
 def cosine_decay(num_rounds: int, final: float = 0.0) -> Callable[[int], float]:

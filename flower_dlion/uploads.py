@@ -2,7 +2,8 @@
 
 Each kind is used by the client (:meth:`Upload.encode`) and by the strategy
 (:meth:`Upload.expected`, :meth:`Upload.parse`, :meth:`Upload.total`) alike, so the two
-sides cannot disagree on the format:
+sides cannot disagree on the format. What S becomes (Δ's levels) is not decided here:
+:mod:`flower_dlion.server_delta` does it, in one place for every kind.
 
 =============  ======================================  ============================  ===========================
 kind           what a client sends                     bytes for d parameters        S = Σᵢ Uᵢ on the server
@@ -74,9 +75,14 @@ class Upload:
         """S = Σᵢ Uᵢ of the valid replies, and the number of scales cut to the median."""
         raise NotImplementedError
 
+    def max_abs(self, steps: int) -> int | None:
+        """The largest |Uᵢ| per coordinate (``k`` of ``lion.aggregate``); ``None``: S is not integer."""
+        return 1
+
     def agreement_scale(self, steps: int) -> float:
-        """The largest |Uᵢ| per coordinate: agreement is mean |S| / (n · this); NaN when S is not integer."""
-        return 1.0
+        """:meth:`max_abs` as a float: agreement is mean |S| / (n · this); NaN when S is not integer."""
+        bound = self.max_abs(steps)
+        return float("nan") if bound is None else float(bound)
 
 
 class SignUpload(Upload):
@@ -130,9 +136,9 @@ class SumUpload(Upload):
             total += r.levels - shape.steps  # Uᵢ ∈ [−K, K]
         return total, 0
 
-    def agreement_scale(self, steps: int) -> float:
+    def max_abs(self, steps: int) -> int | None:
         """K."""
-        return float(steps)
+        return steps
 
 
 class EfSignUpload(Upload):
@@ -170,9 +176,9 @@ class EfSignUpload(Upload):
             total += quantizers.dequantize(bits, 2, s, shape.sizes)  # ±sⱼ, sⱼ at most the median's
         return total, clipped
 
-    def agreement_scale(self, steps: int) -> float:
-        """NaN: S is a float sum."""
-        return float("nan")
+    def max_abs(self, steps: int) -> int | None:
+        """None: S is a float sum of scaled signs."""
+        return None
 
 
 UPLOADS: dict[str, Upload] = {kind.name: kind for kind in (SignUpload(), SumUpload(), EfSignUpload())}

@@ -1,4 +1,8 @@
-"""The server's side of the vote: n packed sign payloads → bit-sliced counts → Δ's levels, never unpacked."""
+"""The server's side of the vote: n packed sign payloads → bit-sliced counts → Δ's levels, never unpacked.
+
+:func:`aggregate_packed` is the accelerated twin of :func:`flower_dlion.lion.aggregate` (the
+definition) for 1-bit sign payloads; :mod:`flower_dlion.server_delta` chooses between them.
+"""
 
 from __future__ import annotations
 
@@ -155,12 +159,17 @@ class PackedAggregate(NamedTuple):
 
 
 def aggregate_packed(payloads: Sequence[torch.Tensor | bytes | np.ndarray], d: int, how: str) -> PackedAggregate:
-    """Vote or mean of n packed sign payloads, straight from their bit-sliced counts.
+    """Vote or mean of n packed sign payloads, straight from their bit-sliced counts: ``lion.aggregate``'s twin.
 
-    With c the per-coordinate count of +1 votes (S = 2c − n), the levels are those of
-    ``lion.aggregate(S, n, how)`` and ``encoded`` is :func:`encode_levels` of them, but no
-    d-sized integer array is formed on the way: the count planes (:func:`count_planes`)
-    and the masks of :func:`majority_masks` are packed, the levels are bytes.
+    The accelerated twin of the definition :func:`flower_dlion.lion.aggregate` for 1-bit sign
+    payloads (``k = 1``): with c the per-coordinate count of +1 votes (S = 2c − n), the levels
+    equal ``lion.aggregate(S, n, how).levels`` bit for bit (as integers: uint8 here, int32
+    there), ``encoded`` is :func:`encode_levels` of them, ``ties`` = #{S = 0} and ``sum_abs`` =
+    Σ|S| — but no d-sized integer array is formed on the way: the count planes
+    (:func:`count_planes`) and the masks of :func:`majority_masks` are packed, the levels are
+    bytes. :func:`flower_dlion.server_delta.choose_aggregator` picks it, once per strategy, for
+    the sign upload with an exact broadcast (the default); tests/test_aggregation_home.py holds
+    it equal to the definition.
 
     - vote, n odd: Δ = sign(S), 2 levels; the mask "S > 0" *is* their ``sign1`` encoding.
     - vote, n even: 3 levels; the masks "S = 0" and "S > 0" are the levels' bit planes 0 and 1.

@@ -5,9 +5,10 @@ A round's second half, in the order ``DistributedLion.aggregate_train`` runs it:
 1. ``_check_reply``: one reply's envelope, arrays (kinds, sizes, finite floats), metrics, and
    the replica's version and checksum; a bad reply raises ``RejectedReply`` (``_on_rejected``
    then decides whether its node needs the full model next time).
-2. ``_aggregate``: S = Σᵢ Uᵢ and Δ = sign(S) or S/n as levels with their broadcast bytes
-   (``codec.aggregate_packed`` straight from the packed bits for exact sign votes; otherwise
-   ``_vote_sum`` and ``_update``, which quantizes Δ with error feedback for ``broadcast_bits``).
+2. ``_aggregate_replies``: Δ of the valid uploads as levels with their broadcast bytes, by the one
+   function :func:`flower_dlion.server_delta.choose_aggregator` picked for the options (the math:
+   ``lion.aggregate``; for packed 1-bit signs its twin ``codec.aggregate_packed``). Nothing here
+   computes Δ.
 3. ``_apply``: x ← x − lr·(Δ + wd·x) (anchored: C ← C + Δ, x = γ·xₐ − η·C), keep Δ for clients
    that fall behind, combine the round's momenta and buffers by medians.
 4. ``_round_metrics``: the round's row of ``results.jsonl``.
@@ -17,14 +18,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import cached_property
 from logging import WARNING
 
-import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, Message
 from flwr.supercore import log
 
-from .. import codec, lion, quantizers
+from .. import codec, quantizers
 from ..bounds import median_momentum, robust_buffers
 from ..downlink import levels_to_signs
 from ..protocol import (
@@ -40,6 +41,7 @@ from ..protocol import (
     message_bytes,
     read_metrics,
 )
+from ..server_delta import Aggregator, choose_aggregator
 from ..uploads import Shape, Upload
 from .common import CheckedReplies, ServerModelStrategy
 from .server_state import Broadcast, Round, ServerState, ValidReply
@@ -173,61 +175,15 @@ class ReplyAggregation(ServerModelStrategy):
         )
 
     # ------------------------------------------------------------------ 2. aggregate
-    def _aggregate(self, replies: list[ValidReply]) -> tuple[codec.PackedAggregate, tuple[float, ...] | None]:
-        """Δ of n valid replies: its levels, broadcast bytes and per-tensor scales, with S's ties and Σ|S|.
+    @cached_property
+    def _aggregate_replies(self) -> Aggregator:
+        """The one function that turns a round's uploads into Δ, chosen once from the (read-only) options.
 
-        Signs broadcast exactly (the default) are aggregated from their packed bits
-        (:func:`codec.aggregate_packed`: no d-sized integer array); the other forms from S
-        (Σ|S| is 0 for the float S of scaled signs: ``_round_metrics`` reports their signs' agreement).
+        :func:`flower_dlion.server_delta.choose_aggregator`: the packed twin of ``lion.aggregate``
+        for the 1-bit sign upload with an exact broadcast (the default), the definition on
+        ``Upload.total``'s S for the other exact ones, error-feedback quantization otherwise.
         """
-        k = self._lion_steps
-        if self.upload == "sign" and self.broadcast_bits == 0:  # the levels of sign(S) or S/n; Δ is K times them
-            update = codec.aggregate_packed([r.upload.data for r in replies], self.num_parameters, self.aggregation)
-            return update, ((float(k),) * len(self._scale_sizes) if k > 1 else None)
-        votes = self._vote_sum(replies)
-        levels, scales = self._update(votes, len(replies))
-        ties = int(torch.count_nonzero(votes == 0))
-        sum_abs = 0  # S is not needed after this: |S| in place, summed by numpy (4× torch's int sum)
-        if not votes.dtype.is_floating_point:
-            sum_abs = int(votes.abs_().numpy().sum(dtype=np.int64))
-        encoded = codec.encode_levels(levels.levels, levels.num_levels).numpy().tobytes()
-        return codec.PackedAggregate(levels.levels, levels.num_levels, encoded, ties, sum_abs), scales
-
-    def _vote_sum(self, replies: list[ValidReply]) -> torch.Tensor:
-        """S = Σᵢ Uᵢ (int32 for sign and sum uploads, float32 for scaled signs; see :mod:`flower_dlion.uploads`).
-
-        Scaled signs count with their scales cut to the round's lower median per tensor
-        (``bounds.clip_scales``): no client weighs more than the median client.
-        """
-        uploads = [r.upload for r in replies]
-        total, self._clipped = self._kind.total(uploads, self._shape)
-        return total
-
-    def _update(self, votes: torch.Tensor, n: int) -> tuple[lion.Levels, tuple[float, ...] | None]:
-        """Δ (in local steps) as levels and per-tensor scales, from S of n valid replies."""
-        k, num_tensors = self._lion_steps, len(self._scale_sizes)
-        if self.broadcast_bits == 0:  # exact: Δ = K·sign(S) or S/n as levels
-            if votes.dtype.is_floating_point:  # weighted vote of scaled signs
-                levels = lion.Levels((torch.sign(votes) + 1).to(torch.int32), 3)
-            else:
-                levels = lion.aggregate(votes, n, self.aggregation, k=k)  # the sum upload (signs: _aggregate)
-            return levels, ((float(k),) * num_tensors if k > 1 else None)
-        if self.aggregation == "vote":
-            target = torch.sign(votes).float() * k
-        elif self.upload == "sign":
-            target = votes.float() * (k / n)
-        else:
-            target = votes.float() / n
-        if self.server_momentum:  # Nesterov: M ← μ·M + Δ, step Δ + μ·M
-            if self.state.outer_momentum is None:
-                self.state.outer_momentum = torch.zeros_like(target)
-            momentum = self.state.outer_momentum.mul_(self.server_momentum).add_(target)
-            target = target.add_(momentum, alpha=self.server_momentum)
-        if self.state.server_error is None:
-            self.state.server_error = torch.zeros_like(target)
-        num_levels = 2 if self.broadcast_bits == 1 else 2**self.broadcast_bits - 1
-        levels, scales = quantizers.ef_quantize_(target, self.state.server_error, self._scale_sizes, num_levels)
-        return lion.Levels(levels, num_levels), tuple(float(v) for v in scales)
+        return choose_aggregator(self._kind, self.aggregation, self.broadcast_bits, self.server_momentum)
 
     # ------------------------------------------------------------------ 3. apply
     def _apply(self, valid: list[ValidReply], rnd: Round) -> tuple[float, float]:
@@ -238,7 +194,8 @@ class ReplyAggregation(ServerModelStrategy):
         """
         assert self.x is not None
         d, n = self.num_parameters, len(valid)
-        update, scales = self._aggregate(valid)
+        update = self._aggregate_replies([r.upload for r in valid], self._shape, self.state)
+        self._clipped, scales = update.clipped, update.scales
         history = self.state.anchored
         if history is not None:  # x = γ·xₐ − η·C (Δ = K·L, the K in η)
             signs = levels_to_signs(update.levels, update.num_levels)
