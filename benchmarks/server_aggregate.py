@@ -84,7 +84,7 @@ def profile_vote(d: int, n: int, repeat: int, rng: np.random.Generator) -> None:
     stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
     cumulative = {f"{Path(file).name}:{name}": entry[3] for (file, _, name), entry in stats.items()}
     total = cumulative["dlion.py:aggregate_train"]
-    parts = ["protocol.py:message_bytes", "aggregation.py:_check_reply", "votes.py:aggregate_packed"]
+    parts = ["protocol.py:message_bytes", "aggregation.py:check_reply", "votes.py:aggregate_packed"]
     parts += ["quantizers.py:apply_delta_", "downlink.py:apply", "common.py:arrays"]
     inner = ["votes.py:count_planes", "votes.py:majority_masks", "levels.py:_levels_from_planes"]
     inner += ["levels.py:encode_levels", "votes.py:_popcount"]

@@ -1,25 +1,29 @@
-"""What the server does with what it receives: check each reply, aggregate the uploads into Δ, apply it.
+"""The uplink of Distributed Lion: an object that checks each reply, aggregates the uploads into Δ and applies it.
 
-A round's second half, in the order ``DistributedLion.aggregate_train`` runs it:
+:class:`Uplink` is given the strategy's options, its :class:`~.server_state.ServerState` and a
+read-only view of its model (``DistributedLion.up``); ``DistributedLion.aggregate_train``
+calls it in this order:
 
-1. ``_check_reply``: one reply's envelope, arrays (kinds, sizes, finite floats), metrics, and
-   the replica's version and checksum; a bad reply raises ``RejectedReply`` (``_on_rejected``
+1. ``check_reply``: one reply's envelope, arrays (kinds, sizes, finite floats), metrics, and
+   the replica's version and checksum; a bad reply raises ``RejectedReply`` (``on_rejected``
    then decides whether its node needs the full model next time).
-2. ``_aggregate_replies``: Δ of the valid uploads as levels with their broadcast bytes, by the one
+2. ``aggregate_replies``: Δ of the valid uploads as levels with their broadcast bytes, by the one
    function :func:`flower_dlion.server_delta.choose_aggregator` picked for the options (the math:
    ``lion.aggregate``; for packed 1-bit signs its twin ``codec.aggregate_packed``). Nothing here
    computes Δ.
-3. ``_apply``: x ← x − lr·(Δ + wd·x) (anchored: C ← C + Δ, x = γ·xₐ − η·C), keep Δ for clients
-   that fall behind, combine the round's momenta and buffers by medians.
-4. ``_round_metrics``: the round's row of ``results.jsonl``.
+3. ``apply``: x ← x − lr·(Δ + wd·x) (anchored: C ← C + Δ, x = γ·xₐ − η·C), combine the round's
+   momenta and buffers by medians; it returns the encoded Δ, which the strategy hands to its
+   downlink to keep for clients that fall behind.
+4. ``round_metrics``: the round's row of ``results.jsonl``, with the round's :class:`RoundCounts`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cached_property
 from logging import WARNING
+from typing import TYPE_CHECKING
 
 import torch
 from flwr.app import Array, ArrayRecord, Message
@@ -42,55 +46,115 @@ from ..protocol import (
     read_metrics,
 )
 from ..server_delta import Aggregator, choose_aggregator
-from ..uploads import Shape, Upload
-from .common import CheckedReplies, ServerModelStrategy
+from ..uploads import Shape, upload_kind
+from .common import CheckedReplies
+from .options import OptionAttribute, Options
 from .server_state import Broadcast, Round, ServerState, ValidReply
 
-__all__ = ["COIN_FLIP_WARNING", "ReplyAggregation"]
+if TYPE_CHECKING:
+    from .views import ModelView
+
+__all__ = ["COIN_FLIP_WARNING", "Applied", "RoundCounts", "Uplink"]
 
 COIN_FLIP_WARNING = 0.05  # warn once when more than this share of the uploaded signs are coin flips
 
 
-class ReplyAggregation(ServerModelStrategy):
-    """The uplink half of :class:`~flower_dlion.strategies.dlion.DistributedLion` (a mixin).
+@dataclass
+class RoundCounts:
+    """What the round in progress counted, for its metrics (a fresh one each round).
 
-    Checks the round's replies, turns the valid ones into Δ, applies Δ to x, and reports the round.
+    Attributes
+    ----------
+    resyncs : int
+        Replies that showed a replica checksum or version mismatch (``checksum-mismatches``).
+    state_resets : int
+        Nodes found without their state since the last round (``state-resets``; the downlink finds them).
+    clipped : int
+        ef-sign scales cut to the median (``clipped-scales``).
+
     """
 
-    # Set by DistributedLion: its options (read-only, from ``options``: its docstring says what each is), its state.
-    state: ServerState
-    aggregation: str
-    upload: str
-    broadcast_bits: int
-    server_momentum: float
-    weight_decay: float
-    _round: Round | None
-    _kind: Upload
-    _lion_steps: int
-    _mask: torch.Tensor | None
-    _resyncs: int
-    _clipped: int
-    _told_flips: bool
-    _told_seed: bool
-    history: list[dict[str, int | float]]
-    _state_resets: int
-    _shape: Shape  # a property of DistributedLion
-    _scale_sizes: list[int]  # a property of DistributedLion
-    _remember: Callable[[Broadcast], None]  # DownlinkMessages keeps the Δs for the chain downlink
+    resyncs: int = 0
+    state_resets: int = 0
+    clipped: int = 0
+
+
+@dataclass(frozen=True)
+class Applied:
+    """What applying a round's Δ gave: its share of ties, its agreement, and the Δ for the chain downlink.
+
+    Attributes
+    ----------
+    tie_fraction : float
+        The share of coordinates whose S was 0.
+    agreement : float
+        Mean |S| / (n·scale); NaN for ef-sign (``Uplink.round_metrics`` then counts the signs).
+    broadcast : Broadcast | None
+        The encoded Δ for clients that fall behind on the chain downlink; None when anchored.
+
+    """
+
+    tie_fraction: float
+    agreement: float
+    broadcast: Broadcast | None
+
+
+class Uplink:
+    """The uplink of :class:`~flower_dlion.strategies.dlion.DistributedLion` (``strategy.up``).
+
+    Checks the round's replies, turns the valid ones into Δ, applies Δ to x, and reports the round.
+
+    Parameters
+    ----------
+    options : Options
+        The strategy's options (read-only); ``uplink.aggregation`` is ``options.uplink.aggregation``.
+    state : ServerState
+        The server's state, shared with the downlink (x's version, the anchored history, the
+        replicas' versions, the error feedback and momentum of the broadcast).
+    model : ModelView
+        The strategy's model, read-only: x (updated in place), its layout and sizes, the rest.
+
+    """
+
+    # Each option read here by its argument name: ``self.aggregation`` is ``self.options.uplink.aggregation``.
+    aggregation = OptionAttribute("uplink")
+    upload = OptionAttribute("uplink")
+    broadcast_bits = OptionAttribute("uplink")
+    server_momentum = OptionAttribute("uplink")
+    weight_decay = OptionAttribute("step")
+    init_seed = OptionAttribute("downlink")
+
+    def __init__(self, options: Options, state: ServerState, model: ModelView) -> None:
+        self.options = options
+        self.state = state
+        self.model = model
+        self.kind = upload_kind(options.uplink.upload)
+        self.told_flips = False  # the coin-flip warning was logged
+        self.told_seed = False  # the init-seed mismatch warning was logged
+
+    @property
+    def lion_steps(self) -> int:
+        """K for local Lion steps, 1 for the sgd client: Δ's scale and decay."""
+        return self.options.local.lion_steps
+
+    @property
+    def shape(self) -> Shape:
+        """The model's size and K, as the upload kinds take them."""
+        return Shape(self.model.num_parameters, self.model.scale_sizes, self.lion_steps)
 
     # ------------------------------------------------------------------ 1. check
     def _expected_arrays(self, rnd: Round) -> dict[str, tuple[str, str, int]]:
         """Array name → (stype or "", dtype, bytes) that a valid reply holds this round."""
-        out = self._kind.expected(self._shape)
+        out = self.kind.expected(self.shape)
         if rnd.momentum_sync:
-            assert self._mask is not None
-            out["momentum"] = ("numpy.ndarray", "float32", 4 * int(self._mask.sum()))
+            assert self.model.momentum_mask is not None
+            out["momentum"] = ("numpy.ndarray", "float32", 4 * int(self.model.momentum_mask.sum()))
         if rnd.buffer_sync:
-            assert self.spec is not None
-            out["buffers"] = ("numpy.ndarray", "float32", 4 * self.spec.num_buffer_values)
+            assert self.model.spec is not None
+            out["buffers"] = ("numpy.ndarray", "float32", 4 * self.model.spec.num_buffer_values)
         return out
 
-    def _check_reply(self, msg: Message, rnd: Round) -> ValidReply:
+    def check_reply(self, msg: Message, rnd: Round) -> ValidReply:
         """Validate one reply; return it parsed, or raise RejectedReply."""
         node_id = msg.metadata.src_node_id
         check_envelope(msg, rnd.sent.keys(), rnd.server_round, (UPLOAD, METRICS))
@@ -101,8 +165,8 @@ class ReplyAggregation(ServerModelStrategy):
             got = sorted(record.keys()) if isinstance(record, ArrayRecord) else type(record).__name__
             raise RejectedReply(f"'{UPLOAD}' must be an ArrayRecord holding {sorted(expected)}, got {got}")
         floats = self._check_arrays(record, expected)
-        d = self.num_parameters
-        upload = self._kind.parse(record[self._kind.main].data, floats, self._shape)
+        d = self.model.num_parameters
+        upload = self.kind.parse(record[self.kind.main].data, floats, self.shape)
         values = read_metrics(content, METRICS, REPLY_METRICS, optional=OPTIONAL_REPLY_METRICS)
         flips = values.get("coin-flips", 0)
         if not (isinstance(flips, int) and 0 <= flips <= d):
@@ -123,7 +187,7 @@ class ReplyAggregation(ServerModelStrategy):
 
     def _check_arrays(self, record: ArrayRecord, expected: dict[str, tuple[str, str, int]]) -> dict[str, torch.Tensor]:
         """Check each array of a reply against ``expected``; return its float32 ones (scales, momenta, buffers)."""
-        d = self.num_parameters
+        d = self.model.num_parameters
         floats = {}
         for name, (stype, dtype, nbytes) in expected.items():
             arr = record[name]
@@ -147,24 +211,24 @@ class ReplyAggregation(ServerModelStrategy):
                 raise RejectedReply(f"Array {name!r} has {len(arr.data)} bytes, expected {nbytes} for d={d}")
         return floats
 
-    def _on_rejected(self, msg: Message, node_id: int, pid: int, err: RejectedReply, again: bool) -> None:
-        """A refused reply from a node of this round: what it says about the node's replica."""
-        rnd = self._round
-        assert rnd is not None
+    def on_rejected(
+        self, msg: Message, node_id: int, pid: int, err: RejectedReply, again: bool, rnd: Round, counts: RoundCounts
+    ) -> None:
+        """A refused reply from a node of round ``rnd``: what it says about the node's replica (``counts.resyncs``)."""
         if node_id not in rnd.sent or again:
             return  # a stray reply says nothing about the node's replica
         if err.resync or (msg.has_error() and CLIENT_STATE_ERROR in msg.error.reason):
             self.state.version_of.pop(pid, None)  # its replica is unknown: the full model next time
-            self._resyncs += int(err.resync)
+            counts.resyncs += int(err.resync)
             if msg.has_error() and node_id in rnd.seeded and SEED_MISMATCH in msg.error.reason:
                 self.state.seed_failed.add(pid)  # the full model from now on
                 self._tell_seed_mismatch(node_id)
 
     def _tell_seed_mismatch(self, node_id: int) -> None:
         """Say once why a client's x₀ from ``init_seed`` differs from ``initial_arrays``, and the fix."""
-        if self._told_seed:
+        if self.told_seed:
             return
-        self._told_seed = True
+        self.told_seed = True
         seed = self.init_seed
         log(
             WARNING,
@@ -176,75 +240,77 @@ class ReplyAggregation(ServerModelStrategy):
 
     # ------------------------------------------------------------------ 2. aggregate
     @cached_property
-    def _aggregate_replies(self) -> Aggregator:
+    def aggregate_replies(self) -> Aggregator:
         """The one function that turns a round's uploads into Δ, chosen once from the (read-only) options.
 
         :func:`flower_dlion.server_delta.choose_aggregator`: the packed twin of ``lion.aggregate``
         for the 1-bit sign upload with an exact broadcast (the default), the definition on
         ``Upload.total``'s S for the other exact ones, error-feedback quantization otherwise.
         """
-        return choose_aggregator(self._kind, self.aggregation, self.broadcast_bits, self.server_momentum)
+        return choose_aggregator(self.kind, self.aggregation, self.broadcast_bits, self.server_momentum)
 
     # ------------------------------------------------------------------ 3. apply
-    def _apply(self, valid: list[ValidReply], rnd: Round) -> tuple[float, float]:
-        """Aggregate the valid replies into Δ, apply it to x, keep it for lagging clients.
+    def apply(self, valid: list[ValidReply], rnd: Round, counts: RoundCounts) -> Applied:
+        """Aggregate the valid replies into Δ and apply it to x; count the clipped scales in ``counts``.
 
-        Also combines the round's momenta and buffers. Returns the share of tied coordinates
-        and the agreement (mean |S| / (n·scale); NaN for ef-sign).
+        Also combines the round's momenta and buffers. Returns the share of tied coordinates, the
+        agreement (mean |S| / (n·scale); NaN for ef-sign) and, for the chain downlink, the encoded
+        Δ that the strategy hands to the downlink to keep for lagging clients (None when anchored).
         """
-        assert self.x is not None
-        d, n = self.num_parameters, len(valid)
-        update = self._aggregate_replies([r.upload for r in valid], self._shape, self.state)
-        self._clipped, scales = update.clipped, update.scales
+        assert self.model.x is not None
+        d, n = self.model.num_parameters, len(valid)
+        update = self.aggregate_replies([r.upload for r in valid], self.shape, self.state)
+        counts.clipped, scales = update.clipped, update.scales
+        broadcast = None
         history = self.state.anchored
         if history is not None:  # x = γ·xₐ − η·C (Δ = K·L, the K in η)
             signs = levels_to_signs(update.levels, update.num_levels)
-            self.x.copy_(history.apply(signs, update.num_levels, update.encoded))
+            self.model.x.copy_(history.apply(signs, update.num_levels, update.encoded))
             self.state.version += 1
         else:
-            weight_decay = self.weight_decay * self._lion_steps  # K local Lion steps' worth of decay
+            weight_decay = self.weight_decay * self.lion_steps  # K local Lion steps' worth of decay
             s = None if scales is None else torch.tensor(scales)
-            sizes = self._scale_sizes
-            quantizers.apply_delta_(self.x, update.levels, update.num_levels, s, sizes, rnd.lr, weight_decay)
+            sizes = self.model.scale_sizes
+            quantizers.apply_delta_(self.model.x, update.levels, update.num_levels, s, sizes, rnd.lr, weight_decay)
             self.state.version += 1
             broadcast = Broadcast(self.state.version, update.num_levels, rnd.lr, weight_decay, update.encoded, scales)
-            self._remember(broadcast)
-        agreement = update.sum_abs / (d * n * self._kind.agreement_scale(self._lion_steps))
+        agreement = update.sum_abs / (d * n * self.kind.agreement_scale(self.lion_steps))
         if rnd.momentum_sync:
             self.state.synced_momentum = median_momentum([r.momentum for r in valid if r.momentum is not None])
         if rnd.buffer_sync:
             self._combine_buffers(valid)
-        return update.ties / d, agreement
+        return Applied(update.ties / d, agreement, broadcast)
 
     def _combine_buffers(self, replies: list[ValidReply]) -> None:
         """The server's buffers ← the median of the replies' (``bounds.robust_buffers``)."""
-        assert self.spec is not None
-        self._rest.update(robust_buffers(self.spec, [r.buffers.numpy() for r in replies if r.buffers is not None]))
+        assert self.model.spec is not None
+        buffers = [r.buffers.numpy() for r in replies if r.buffers is not None]
+        self.model.rest.update(robust_buffers(self.model.spec, buffers))
 
     # ------------------------------------------------------------------ 4. report
-    def _round_metrics(
+    def round_metrics(
         self,
         rnd: Round,
         replies: list[Message],
         valid: list[ValidReply],
         checked: CheckedReplies[ValidReply],
-        applied: bool,
-        tie_fraction: float,
-        agreement: float,
+        outcome: Applied | None,
+        counts: RoundCounts,
     ) -> dict[str, int | float]:
         """The round's row: replies, faults, bytes as measured and as fp32 would have been, coin flips.
 
         Each key, its range in an honest run and when it signals a problem: docs/GUIDE.md, "The
         round's metrics". ``agreement`` is mean |S| / (n·K) for signs and sums; for ef-sign, whose
-        S sums scaled signs (``_apply`` gives NaN), the same of the uploaded signs, mean |Σᵢ ±1| / n.
+        S sums scaled signs (``apply`` gives NaN), the same of the uploaded signs, mean |Σᵢ ±1| / n.
         """
-        d, n = self.num_parameters, len(valid)
+        d, n = self.model.num_parameters, len(valid)
         bytes_up = sum(message_bytes(msg) for msg in replies)
         flip_fraction = self._coin_flip_fraction(valid, rnd.server_round)
         losses = [r.values["train-loss"] for r in valid]
         examples = [r.values["num-examples"] for r in valid]
         total = sum(examples)
-        clipped, self._clipped = self._clipped, 0
+        applied = outcome is not None
+        tie_fraction, agreement = (outcome.tie_fraction, outcome.agreement) if outcome is not None else (0.0, 0.0)
         fp32_extra = sum(4 * d - len(r.upload.data) for r in valid)  # each valid reply's U as float32 instead
         if applied and math.isnan(agreement):  # ef-sign: S sums scaled signs; the agreement of the signs instead
             ones = codec.count_ones([r.upload.data for r in valid], d)  # votes for +1; Σ signs = 2·ones − n
@@ -256,8 +322,8 @@ class ReplyAggregation(ServerModelStrategy):
             "num-sampled": len(rnd.sent),
             "full-syncs": sum(1 for kind in rnd.sent.values() if kind == "full"),
             "catch-ups": sum(1 for b in rnd.chain_lengths.values() if b > 1),
-            "checksum-mismatches": self._resyncs,
-            "state-resets": self._state_resets,
+            "checksum-mismatches": counts.resyncs,
+            "state-resets": counts.state_resets,
             "applied": int(applied),
             "version": self.state.version,
             "train-loss": sum(v * e for v, e in zip(losses, examples, strict=True)) / total if total else math.nan,
@@ -269,15 +335,15 @@ class ReplyAggregation(ServerModelStrategy):
             "tie-fraction": tie_fraction,
             "agreement": agreement,
             "coin-flip-fraction": flip_fraction,
-            "clipped-scales": clipped,
+            "clipped-scales": counts.clipped,
         }
 
     def _coin_flip_fraction(self, valid: list[ValidReply], server_round: int) -> float:
         """The share of the uploaded signs that were coin flips; warns once when it is large."""
-        d, n = self.num_parameters, len(valid)
+        d, n = self.model.num_parameters, len(valid)
         flip_fraction = sum(r.values.get("coin-flips", 0) for r in valid) / (d * n) if n else 0.0
-        if flip_fraction > COIN_FLIP_WARNING and not self._told_flips:
-            self._told_flips = True
+        if flip_fraction > COIN_FLIP_WARNING and not self.told_flips:
+            self.told_flips = True
             log(
                 WARNING,
                 "round %d: %.1f %% of the uploaded signs were coin flips: exact zeros of β₁·m + (1−β₁)·g, which "
@@ -289,17 +355,3 @@ class ReplyAggregation(ServerModelStrategy):
                 100 * flip_fraction,
             )
         return flip_fraction
-
-    def result_row(self) -> dict[str, int | float]:
-        """The last round's fields for an app's per-round log (the repository app writes them to ``results.jsonl``)."""
-        m = self.history[-1]
-        keys = ("num-rejected", "num-failed", "full-syncs", "catch-ups", "checksum-mismatches", "state-resets")
-        keys += ("applied", "bytes-up-fp32", "bytes-down-fp32", "tie-fraction", "agreement", "coin-flip-fraction")
-        return {key.replace("-", "_"): m[key] for key in keys}
-
-    def result_summary(self, bytes_up: int, bytes_down: int) -> dict[str, float]:
-        """How many times fewer bytes than float32 messages the run sent, up and down."""
-        return {
-            f"fp32_over_sent_{key}": sum(m[f"bytes-{key}-fp32"] for m in self.history) / max(sent, 1)
-            for key, sent in (("up", bytes_up), ("down", bytes_down))
-        }

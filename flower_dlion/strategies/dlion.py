@@ -2,13 +2,16 @@
 
 Start here. One round of :class:`DistributedLion`, and where each step lives:
 
-- ``configure_train`` (below) samples the nodes and builds each one's message
-  (:mod:`~flower_dlion.strategies.downlink_messages`: only what the node lacks to reach x);
+- ``configure_train`` (below) samples the nodes and asks its downlink ``self.down`` for each one's
+  message (:class:`~flower_dlion.strategies.downlink_messages.Downlink`: only what the node lacks
+  to reach x);
 - the client takes its Lion step and packs its signs (:mod:`flower_dlion.clients.dlion`);
-- ``aggregate_train`` (below) checks the replies, votes or averages them into Δ and applies Δ
-  to x (:mod:`~flower_dlion.strategies.aggregation`);
+- ``aggregate_train`` (below) has its uplink ``self.up`` check the replies, vote or average them
+  into Δ and apply Δ to x (:class:`~flower_dlion.strategies.aggregation.Uplink`), and hands the
+  encoded Δ to the downlink;
 - what the server keeps between rounds, and checkpoints, is a
-  :class:`~flower_dlion.strategies.server_state.ServerState`.
+  :class:`~flower_dlion.strategies.server_state.ServerState`, shared by the uplink and the downlink,
+  which read the model through a :class:`ModelView` and the nodes through a :class:`NodeView`.
 
 The constructor keeps its arguments in small groups that check themselves
 (:mod:`~flower_dlion.strategies.options`; ``strategy.options``); the sampling, the hellos and the
@@ -29,21 +32,22 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
-from .. import entropy, quantizers
+from .. import entropy
 from ..downlink import AnchoredHistory
 from ..params import LayoutError, ModelSpec, layer_mask, state_checksum
 from ..protocol import STATE_KEY, RejectedReply, checksum
-from ..uploads import Shape, upload_kind
-from .aggregation import ReplyAggregation
-from .common import DLionResult
-from .downlink_messages import DownlinkMessages
+from ..server_delta import Aggregator
+from .aggregation import RoundCounts, Uplink
+from .common import DLionResult, ServerModelStrategy
+from .downlink_messages import Downlink
 from .options import DownlinkOptions, LocalOptions, OptionAttribute, Options, StepOptions, SyncOptions, UplinkOptions
 from .server_state import Broadcast, Round, ServerState
+from .views import ModelView, NodeView
 
 __all__ = ["Broadcast", "DistributedLion", "RejectedReply", "ServerState"]
 
 
-class DistributedLion(DownlinkMessages, ReplyAggregation):
+class DistributedLion(ServerModelStrategy):
     r"""Distributed Lion (Liu et al., 2024) on Flower's Message API.
 
     Each sampled client keeps its own replica of x and its own Lion momentum, and
@@ -299,23 +303,34 @@ class DistributedLion(DownlinkMessages, ReplyAggregation):
             raise ValueError(f"state_key must be 1 to 64 of A-Z a-z 0-9 _ - (a folder name) or '', got {state_key!r}")
         self.state_key = state_key
         self._auto_key = secrets.token_hex(8)  # this run's, where state_key names none (see run_key)
-        self._kind = upload_kind(upload)
         self.checkpoint_round = 0  # the latest checkpoint's round (clients keep their state as of it)
         self._start_bookkeeping()
 
     def _start_bookkeeping(self) -> None:
-        """The global model and its bookkeeping, empty: set from the initial arrays in round 1."""
-        self.state = ServerState()
+        """The global model and its bookkeeping, empty (set from the initial arrays in round 1); the two links."""
         self._round: Round | None = None
         self._mask: torch.Tensor | None = None  # parameters whose momentum is synchronized
-        self._state_resets = 0  # nodes found without their state since the last round
-        self._resyncs = 0  # replies of the round in progress that showed a replica checksum/version mismatch
+        self._counts = RoundCounts()  # what the round in progress counted (resyncs, state resets, clipped scales)
         self._initial: dict[str, np.ndarray] | None = None  # the initial arrays, until x is made from them
         self._described: ModelSpec | None = None  # the model description the first valid hello gave
-        self._told_flips = False  # the coin-flip warning was logged
-        self._told_seed = False  # the init-seed mismatch warning was logged
-        self._clipped = 0  # ef-sign scales cut to the median in the round in progress
         self.history: list[dict[str, Any]] = []  # one dict of metrics per aggregated round
+        state, model = ServerState(), ModelView(self)
+        self.up = Uplink(self.options, state, model)  # replies in, Δ applied to x
+        self.down = Downlink(self.options, state, model, NodeView(self))  # what each node is sent
+
+    @property
+    def state(self) -> ServerState:
+        """The server's state between rounds, one object that the uplink and the downlink share."""
+        return self.up.state
+
+    @state.setter
+    def state(self, state: ServerState) -> None:
+        self.up.state = self.down.state = state
+
+    @property
+    def run_key(self) -> str:
+        """The run's identity the clients file their state under: ``state_key``, else a random one of this object's."""
+        return self.state_key or self._auto_key
 
     @property
     def anchored(self) -> bool:
@@ -354,16 +369,6 @@ class DistributedLion(DownlinkMessages, ReplyAggregation):
         for server_round in range(kwargs.get("start_round", 1), num_rounds + 1):
             self.lr_at(server_round)  # a bad factor fails before round 1
         return super().start(grid, initial_arrays, num_rounds, *args, **kwargs)
-
-    @property
-    def _shape(self) -> Shape:
-        """The model's size and K, as the upload kinds take them."""
-        return Shape(self.num_parameters, self._scale_sizes, self._lion_steps)
-
-    @property
-    def _scale_sizes(self) -> list[int]:
-        """The number of values under each scale of an upload or a broadcast (``scale_block``)."""
-        return quantizers.scale_blocks(self.sizes, self.scale_block)
 
     @property
     def version(self) -> int:
@@ -447,6 +452,16 @@ class DistributedLion(DownlinkMessages, ReplyAggregation):
             raise RejectedReply(why, final=True) from err
         self._described = spec
 
+    def _hello_config(self, server_round: int) -> ConfigRecord:
+        """The run's key and the round whose end state a node starts from (a train message sends the round)."""
+        return ConfigRecord({"state-key": self.run_key, "state-round": server_round - 1})
+
+    def _on_new_node(self, pid: int, node_id: int, version: int, previous: int | None) -> None:
+        """Keep the partition's version if the node can start from it (the downlink decides); else count a reset."""
+        super()._on_new_node(pid, node_id, version, previous)
+        if self.down.forget_stale_replica(pid, node_id, version):
+            self._counts.state_resets += 1
+
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
@@ -474,7 +489,7 @@ class DistributedLion(DownlinkMessages, ReplyAggregation):
         rnd.momentum_sync = bool(self.momentum_sync_every) and server_round % self.momentum_sync_every == 0
         rnd.buffer_sync = self._buffer_round(server_round)
         self._round = rnd
-        messages = [self._message_for(node_id, server_round, rnd, config) for node_id in node_ids]  # downlink_messages
+        messages = [self.down.message_for(node_id, server_round, rnd, config) for node_id in node_ids]
         self.state.synced_momentum = None
         self._outbox = messages
         return messages
@@ -491,16 +506,20 @@ class DistributedLion(DownlinkMessages, ReplyAggregation):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Validate the replies, vote or average their updates, apply Δ to x, and return x.
 
-        The steps (``_check_reply``, ``_apply``, ``_round_metrics``) are in :mod:`.aggregation`.
-        What each key of the returned MetricRecord means, its range in an honest run and when it
-        signals a problem: docs/GUIDE.md, "The round's metrics".
+        Each step is the uplink's (:class:`~.aggregation.Uplink`: ``check_reply``, ``apply``,
+        ``round_metrics``); the Δ it applied goes to the downlink (``_remember``). What each key of
+        the returned MetricRecord means, its range in an honest run and when it signals a problem:
+        docs/GUIDE.md, "The round's metrics".
         """
         rnd = self._round
         if rnd is None or rnd.server_round != server_round or self.x is None:
             raise RuntimeError(f"aggregate_train({server_round}) without configure_train for that round")
-        replies = list(replies)
+        replies, counts = list(replies), self._counts
         checked = self._check_and_log_replies(
-            server_round, replies, lambda msg: self._check_reply(msg, rnd), self._on_rejected
+            server_round,
+            replies,
+            lambda msg: self.up.check_reply(msg, rnd),
+            lambda msg, node_id, pid, err, again: self.up.on_rejected(msg, node_id, pid, err, again, rnd, counts),
         )
         valid = sorted(checked.valid, key=lambda r: r.node_id)  # a fixed order: float sums are reproducible
         for r in valid:  # confirmed at the round's base version; the others keep their last confirmed one
@@ -510,21 +529,49 @@ class DistributedLion(DownlinkMessages, ReplyAggregation):
         for node_id in sorted(set(rnd.sent) - checked.answered):
             pid = self.partition_of(node_id)
             log(WARNING, "round %d: no reply from node %d (partition %d)", server_round, node_id, pid)
-        tie_fraction = agreement = 0.0
-        applied = len(valid) >= self.min_replies
-        if applied:
-            tie_fraction, agreement = self._apply(valid, rnd)
+        outcome = None
+        if len(valid) >= self.min_replies:
+            outcome = self.up.apply(valid, rnd, counts)
+            if outcome.broadcast is not None:  # the chain downlink keeps it for clients that fall behind
+                self._remember(outcome.broadcast)
         else:
             n, least = len(valid), self.min_replies
             log(WARNING, "round %d: %d valid replies < min_replies=%d, x unchanged", server_round, n, least)
-        metrics = self._round_metrics(rnd, replies, valid, checked, applied, tie_fraction, agreement)
+        metrics = self.up.round_metrics(rnd, replies, valid, checked, outcome, counts)
         self.history.append({"round": server_round, **metrics})
-        self._round = None
-        self._state_resets = self._resyncs = 0
+        self._round, self._counts = None, RoundCounts()
         missing = len(set(rnd.sent) - checked.answered)
         why = f"{len(valid)} valid of {len(rnd.sent)} sent ({checked.rejected} rejected, {missing} without a reply)"
         self._round_outcome(server_round, len(valid), why)  # RunStopped after max_failed_rounds failed rounds
         return self.arrays(), MetricRecord(metrics)
+
+    def _remember(self, broadcast: Broadcast) -> None:
+        """Hand the round's encoded Δ to the downlink, which keeps it for lagging clients (the chain)."""
+        self.down.remember(broadcast)
+
+    @property
+    def _aggregate_replies(self) -> Aggregator:
+        """The uplink's aggregator, chosen once from the options (``Uplink.aggregate_replies``)."""
+        return self.up.aggregate_replies
+
+    def _round_config(self, server_round: int, rnd: Round) -> ConfigRecord:
+        """The keys every client gets this round (``Downlink.round_config``)."""
+        return self.down.round_config(server_round, rnd)
+
+    # ------------------------------------------------------------------ results
+    def result_row(self) -> dict[str, int | float]:
+        """The last round's fields for an app's per-round log (the repository app writes them to ``results.jsonl``)."""
+        m = self.history[-1]
+        keys = ("num-rejected", "num-failed", "full-syncs", "catch-ups", "checksum-mismatches", "state-resets")
+        keys += ("applied", "bytes-up-fp32", "bytes-down-fp32", "tie-fraction", "agreement", "coin-flip-fraction")
+        return {key.replace("-", "_"): m[key] for key in keys}
+
+    def result_summary(self, bytes_up: int, bytes_down: int) -> dict[str, float]:
+        """How many times fewer bytes than float32 messages the run sent, up and down."""
+        return {
+            f"fp32_over_sent_{key}": sum(m[f"bytes-{key}-fp32"] for m in self.history) / max(sent, 1)
+            for key, sent in (("up", bytes_up), ("down", bytes_down))
+        }
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

@@ -1,13 +1,17 @@
-"""What the server sends each round: every sampled node gets only what it lacks to reach x.
+"""The downlink of Distributed Lion: an object that builds what each sampled node is sent, only what it lacks.
 
-A node's message holds the round's config (:meth:`DownlinkMessages._round_config`) and, by what
-the server knows of the node's replica (``ServerState.version_of``), one of:
+:class:`Downlink` is given the strategy's options, its :class:`~.server_state.ServerState`, a
+read-only view of its model and a view of its nodes (``DistributedLion.down``);
+``DistributedLion.configure_train`` asks it for each node's message (:meth:`Downlink.message_for`).
+A node's message holds the round's config (:meth:`Downlink.round_config`) and, by what the server
+knows of the node's replica (``ServerState.version_of``), one of:
 
 - nothing more (``kind = "none"``): its replica is at the current version;
 - the anchored downlink (:mod:`flower_dlion.downlink`, the default for a vote with exact
   broadcast): the smallest of the entropy-coded counts since its version, x₀'s seed and the
   counts since version 0, or the anchor xₐ and the counts since it (``_anchored_content``);
-- the chain: the packed Δs it missed, one by one (``_chain_since``, kept by ``_remember``);
+- the chain: the packed Δs it missed, one by one (``_chain_since``; the strategy hands each
+  round's Δ from the uplink to :meth:`Downlink.remember`);
 - the full model (float32), or x₀'s seed and the Δs since: a new node, a lost replica, a
   checksum mismatch.
 
@@ -17,6 +21,7 @@ The client's side of the same message is :mod:`flower_dlion.clients.replica`.
 from __future__ import annotations
 
 from logging import WARNING
+from typing import TYPE_CHECKING
 
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.supercore import log
@@ -35,46 +40,66 @@ from ..protocol import (
     to_array,
 )
 from ..round_records import RoundConfig
-from .common import ServerModelStrategy
+from .options import OptionAttribute, Options
 from .server_state import Broadcast, Round, ServerState
 
-__all__ = ["DownlinkMessages"]
+if TYPE_CHECKING:
+    from .views import ModelView, NodeView
+
+__all__ = ["Downlink"]
 
 Content = tuple[RecordDict, str, int]  # a message's content, its kind and its payload length in bytes
 
 
-class DownlinkMessages(ServerModelStrategy):
-    """The downlink half of :class:`~flower_dlion.strategies.dlion.DistributedLion` (a mixin).
+class Downlink:
+    """The downlink of :class:`~flower_dlion.strategies.dlion.DistributedLion` (``strategy.down``).
 
     Builds each sampled node's train message and keeps the encoded Δs of the chain downlink.
+
+    Parameters
+    ----------
+    options : Options
+        The strategy's options (read-only); ``downlink.beta1`` is ``options.step.beta1``.
+    state : ServerState
+        The server's state, shared with the uplink (x's version, what each replica holds, the
+        anchored history or the kept Δs, x₀'s checksum, the synced momentum).
+    model : ModelView
+        The strategy's model, read-only: x, its layout and sizes, the rest.
+    nodes : NodeView
+        The strategy's nodes and run: partitions, the sampling seed, the run's key, the checkpoint round.
+
     """
 
-    # Set by DistributedLion: its options (read-only, from ``options``: its docstring says what each is), its state.
-    state: ServerState
-    anchored: bool
-    anchor_every: int
-    init_seed: int | None
-    max_history_bytes: int | None
-    beta1: float
-    beta2: float
-    weight_decay: float
-    local_steps: int
-    local_optimizer: str
-    local_lr: float | None
-    local_proximal_mu: float
-    stale_momentum: str
-    accumulate: int
-    upload: str
-    scale_block: int
-    momentum_sync_every: int
-    momentum_sync_layers: tuple[str, ...]
-    state_key: str
-    _auto_key: str
-    checkpoint_round: int
-    _state_resets: int
-    _scale_sizes: list[int]  # a property of DistributedLion
+    # Each option read here by its argument name: ``self.beta1`` is ``self.options.step.beta1``.
+    beta1 = OptionAttribute("step")
+    beta2 = OptionAttribute("step")
+    weight_decay = OptionAttribute("step")
+    local_steps = OptionAttribute("local")
+    local_optimizer = OptionAttribute("local")
+    local_lr = OptionAttribute("local")
+    local_proximal_mu = OptionAttribute("local")
+    stale_momentum = OptionAttribute("local")
+    accumulate = OptionAttribute("local")
+    upload = OptionAttribute("uplink")
+    scale_block = OptionAttribute("uplink")
+    anchor_every = OptionAttribute("downlink")
+    max_history_bytes = OptionAttribute("downlink")
+    init_seed = OptionAttribute("downlink")
+    momentum_sync_every = OptionAttribute("sync")
+    momentum_sync_layers = OptionAttribute("sync")
 
-    def _message_for(self, node_id: int, server_round: int, rnd: Round, config: ConfigRecord) -> Message:
+    def __init__(self, options: Options, state: ServerState, model: ModelView, nodes: NodeView) -> None:
+        self.options = options
+        self.state = state
+        self.model = model
+        self.nodes = nodes
+
+    @property
+    def anchored(self) -> bool:
+        """Whether the downlink is anchored (``downlink="anchored"``, or "auto" where it applies)."""
+        return self.options.anchored
+
+    def message_for(self, node_id: int, server_round: int, rnd: Round, config: ConfigRecord) -> Message:
         """The train message for one node; adds it to ``rnd`` (kind sent, bytes, as fp32 would have been)."""
         content, kind, payload_len = self._content_for(node_id, server_round, rnd)
         if len(config):  # the ServerApp's train_config, where FedAvg puts it
@@ -86,17 +111,17 @@ class DownlinkMessages(ServerModelStrategy):
         rnd.sent[node_id] = kind
         rnd.bytes_down += size
         needs_model = kind != "none" or node_id in rnd.seeded
-        rnd.bytes_down_fp32 += size - payload_len + (4 * self.num_parameters if needs_model else 0)
+        rnd.bytes_down_fp32 += size - payload_len + (4 * self.model.num_parameters if needs_model else 0)
         return msg
 
-    def _round_config(self, server_round: int, rnd: Round) -> ConfigRecord:
+    def round_config(self, server_round: int, rnd: Round) -> ConfigRecord:
         """The keys every client gets this round (:class:`RoundConfig`: non-default values only, to save bytes)."""
         sgd, local_lion = self.local_optimizer == "sgd", self.local_optimizer == "lion" and self.local_steps > 1
-        files = bool(self.state_key)  # files that outlive the run: as of which round, and which round to keep
+        files = bool(self.nodes.state_key)  # files that outlive the run: as of which round, and which round to keep
         return RoundConfig(
             server_round=server_round,
             version=self.state.version,
-            seed=self.sample_seed,
+            seed=self.nodes.sample_seed,
             beta1=self.beta1,
             beta2=self.beta2,
             local_steps=self.local_steps,
@@ -111,28 +136,24 @@ class DownlinkMessages(ServerModelStrategy):
             momentum_sync=rnd.momentum_sync,
             buffers=rnd.buffer_sync,
             momentum_sync_layers=",".join(self.momentum_sync_layers) if self.momentum_sync_every else "",
-            state_key=self.run_key,  # the client's state is this run's alone
+            state_key=self.nodes.run_key,  # the client's state is this run's alone
             state_round=server_round - 1 if files else None,
-            keep_round=self.checkpoint_round if files else 0,
+            keep_round=self.nodes.checkpoint_round if files else 0,
         ).to_record()
 
-    @property
-    def run_key(self) -> str:
-        """The run's identity the clients file their state under: ``state_key``, else a random one of this object's."""
-        return self.state_key or self._auto_key
+    def forget_stale_replica(self, pid: int, node_id: int, version: int) -> bool:
+        """Keep the partition's version if the node (at ``version``) can start from it; else it gets the full model.
 
-    def _hello_config(self, server_round: int) -> ConfigRecord:
-        """The run's key and the round whose end state a node starts from (a train message sends the round)."""
-        return ConfigRecord({"state-key": self.run_key, "state-round": server_round - 1})
+        Returns
+        -------
+        bool
+            Whether the node's replica was forgotten (a state reset: a restarted node, or one at another version).
 
-    def _on_new_node(self, pid: int, node_id: int, version: int, previous: int | None) -> None:
-        """Keep the partition's version if the node can start from it; else it gets the full model."""
-        super()._on_new_node(pid, node_id, version, previous)
+        """
         known = self.state.version_of.get(pid)
         if known is None or known == version or (not self.anchored and known <= version <= self.state.version):
-            return  # a new partition (full model), or a node that holds its replica (Δs since `known`)
+            return False  # a new partition (full model), or a node that holds its replica (Δs since `known`)
         self.state.version_of.pop(pid)
-        self._state_resets += 1
         log(
             WARNING,
             "partition %d (node %d) %s: it gets the full model%s",
@@ -141,12 +162,13 @@ class DownlinkMessages(ServerModelStrategy):
             "has no state (a restarted SuperNode?)" if version < 0 else f"is at version {version}, not {known}",
             " and starts a fresh momentum" if version < 0 else "",
         )
+        return True
 
     def _content_for(self, node_id: int, server_round: int, rnd: Round) -> Content:
         """The message content for one node, its kind, and its payload length in bytes."""
-        assert self.x is not None
-        round_config = self._round_config(server_round, rnd)
-        pid = self.partition_of(node_id)
+        assert self.model.x is not None
+        round_config = self.round_config(server_round, rnd)
+        pid = self.nodes.partition_of(node_id)
         have = self.state.version_of.get(pid)
         if self.state.anchored is not None and have != self.state.version:
             return self._anchored_content(node_id, pid, have, round_config, rnd)
@@ -162,10 +184,11 @@ class DownlinkMessages(ServerModelStrategy):
         if chain is not None:
             assert have is not None
             return self._chain_content(node_id, have, chain, round_config, rnd)
-        round_config.update({"kind": "full", "base-version": -1, "layout": layout_fingerprint(self._layout)})
-        content = RecordDict({CONFIG: round_config, BROADCAST: ArrayRecord({"payload": to_array(self.x.numpy())})})
+        round_config.update({"kind": "full", "base-version": -1, "layout": layout_fingerprint(self.model.layout)})
+        payload = ArrayRecord({"payload": to_array(self.model.x.numpy())})
+        content = RecordDict({CONFIG: round_config, BROADCAST: payload})
         self._add_rest(content)
-        return content, "full", 4 * self.num_parameters
+        return content, "full", 4 * self.model.num_parameters
 
     def _seed_config(self) -> dict[str, int | str]:
         """The config keys that tell a node to build x₀ from the seed (and check it)."""
@@ -173,13 +196,13 @@ class DownlinkMessages(ServerModelStrategy):
         return {
             "init-seed": self.init_seed,
             "init-checksum": self.state.x0_checksum,
-            "layout": layout_fingerprint(self._layout),
+            "layout": layout_fingerprint(self.model.layout),
         }
 
     def _add_rest(self, content: RecordDict) -> None:
         """Add the frozen parameters and buffers to a message that carries the full model."""
-        if self._rest:
-            content[REST] = ArrayRecord({name: to_array(a) for name, a in self._rest.items()})
+        if self.model.rest:
+            content[REST] = ArrayRecord({name: to_array(a) for name, a in self.model.rest.items()})
 
     def _chain_content(
         self, node_id: int, have: int, chain: list[Broadcast], round_config: ConfigRecord, rnd: Round
@@ -197,9 +220,9 @@ class DownlinkMessages(ServerModelStrategy):
             }
         )
         if any(b.scales is not None for b in chain):
-            ones = (1.0,) * len(self._scale_sizes)
+            ones = (1.0,) * len(self.model.scale_sizes)
             round_config["scales"] = [v for b in chain for v in (b.scales if b.scales is not None else ones)]
-        array = Array(dtype="level", shape=(len(chain) * self.num_parameters,), stype=LEVELS_STYPE, data=payload)
+        array = Array(dtype="level", shape=(len(chain) * self.model.num_parameters,), stype=LEVELS_STYPE, data=payload)
         return RecordDict({CONFIG: round_config, BROADCAST: ArrayRecord({"payload": array})}), "deltas", len(payload)
 
     def _anchored_content(
@@ -220,7 +243,7 @@ class DownlinkMessages(ServerModelStrategy):
             rnd.seeded.add(node_id)
             round_config.update(self._seed_config())
         if kind == "full":  # base is the anchor's version
-            round_config.update({"anchor-version": base, "layout": layout_fingerprint(self._layout)})
+            round_config.update({"anchor-version": base, "layout": layout_fingerprint(self.model.layout)})
             records["payload"] = to_array(history.anchor.numpy())
         if segments:
             if kind != "full":
@@ -253,8 +276,8 @@ class DownlinkMessages(ServerModelStrategy):
         ``init_seed``), and always the anchor (float32) and the counts since it.
         """
         history = self.state.anchored
-        assert history is not None and self.x is not None
-        version, d = self.state.version, self.num_parameters
+        assert history is not None and self.model.x is not None
+        version, d = self.state.version, self.model.num_parameters
         options: list[tuple[int, str, int, list[Segment]]] = []
         if have is not None and (segments := history.segments(have, self.state.context_of.get(pid) == have)):
             options.append((sum(len(s.payload) for s in segments), "counts", have, segments))
@@ -274,13 +297,13 @@ class DownlinkMessages(ServerModelStrategy):
         if needed <= 0 or needed > len(self.state.broadcasts):
             return None
         chain = list(self.state.broadcasts)[-needed:]
-        if chain[0].version != have + 1 or sum(len(b.payload) for b in chain) >= 4 * self.num_parameters:
+        if chain[0].version != have + 1 or sum(len(b.payload) for b in chain) >= 4 * self.model.num_parameters:
             return None
         return chain
 
-    def _remember(self, broadcast: Broadcast) -> None:
+    def remember(self, broadcast: Broadcast) -> None:
         """Keep encoded Δs for lagging clients, up to ``max_history_bytes``."""
         self.state.broadcasts.append(broadcast)
-        limit = 4 * self.num_parameters if self.max_history_bytes is None else self.max_history_bytes
+        limit = 4 * self.model.num_parameters if self.max_history_bytes is None else self.max_history_bytes
         while self.state.broadcasts and sum(len(b.payload) for b in self.state.broadcasts) > limit:
             self.state.broadcasts.popleft()
