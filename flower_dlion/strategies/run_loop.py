@@ -15,16 +15,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from logging import INFO
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Result
+from flwr.serverapp.strategy import Result, Strategy
 from flwr.serverapp.strategy.result import format_value
 from flwr.supercore import log
-
-if TYPE_CHECKING:
-    from .common import ServerModelStrategy
 
 __all__ = ["TOTALS", "DLionResult", "run_rounds", "run_totals", "totals_line"]
 
@@ -87,7 +84,7 @@ def totals_line(totals: MetricRecord) -> str:
 
 
 def run_rounds(
-    strategy: ServerModelStrategy,
+    strategy: Strategy,
     grid: Grid,
     initial_arrays: ArrayRecord,
     num_rounds: int,
@@ -99,7 +96,11 @@ def run_rounds(
     start_round: int = 1,
     on_round_end: Callable[[int], Any] | None = None,
 ) -> DLionResult:
-    """Rounds ``start_round`` … ``num_rounds`` of ``strategy`` on ``grid`` (see ``ServerModelStrategy.start``)."""
+    """Rounds ``start_round`` … ``num_rounds`` of ``strategy`` on ``grid`` (see ``ServerModelStrategy.start``).
+
+    ``strategy`` is one of ours (a ``ServerModelStrategy``): besides Flower's ``Strategy`` methods
+    it has ``history`` (the rounds' metrics), ``query_timeout`` and ``num_rounds``.
+    """
     log(INFO, "Starting %s strategy (rounds %d to %d):", type(strategy).__name__, start_round, num_rounds)
     strategy.summary()
     strategy.query_timeout = timeout

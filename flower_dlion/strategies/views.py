@@ -6,7 +6,7 @@ nodes' partitions, the run's key), so the two objects are given what they need, 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 import torch
@@ -14,9 +14,6 @@ import torch
 from .. import quantizers
 from ..params import ModelSpec
 from .common import Layout
-
-if TYPE_CHECKING:
-    from .dlion import DistributedLion
 
 __all__ = ["ModelView", "NodeView"]
 
@@ -29,11 +26,12 @@ class ModelView:
     Parameters
     ----------
     strategy : DistributedLion
+        (typed ``Any`` here: this module sits below the strategy that holds the views)
         The strategy whose model it shows.
 
     """
 
-    def __init__(self, strategy: DistributedLion) -> None:
+    def __init__(self, strategy: Any) -> None:
         self._strategy = strategy
 
     @property
@@ -83,11 +81,12 @@ class NodeView:
     Parameters
     ----------
     strategy : DistributedLion
+        (typed ``Any`` here: this module sits below the strategy that holds the views)
         The strategy whose nodes it shows.
 
     """
 
-    def __init__(self, strategy: DistributedLion) -> None:
+    def __init__(self, strategy: Any) -> None:
         self._strategy = strategy
 
     def partition_of(self, node_id: int) -> int:
