@@ -104,10 +104,10 @@ def test_the_default_path_is_the_packed_twin_chosen_once() -> None:
     assert choose_aggregator(UPLOADS["sign"], "vote", broadcast_bits=1).func is quantized_delta  # type: ignore[attr-defined]
     # Assert: the strategy's choice, made once (the same object every round)
     strategy = DistributedLion()
-    assert strategy._aggregate_replies.func is packed_delta  # type: ignore[attr-defined]
-    assert strategy._aggregate_replies is strategy._aggregate_replies
+    assert strategy.up.aggregate_replies.func is packed_delta  # type: ignore[attr-defined]
+    assert strategy.up.aggregate_replies is strategy.up.aggregate_replies
     summed = DistributedLion(upload="sum", local_steps=2)
-    assert summed._aggregate_replies.func is reference_delta  # type: ignore[attr-defined]
+    assert summed.up.aggregate_replies.func is reference_delta  # type: ignore[attr-defined]
 
 
 # ---------------------------------------------------------------- sum and ef-sign: the same as before the move

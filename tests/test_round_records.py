@@ -67,7 +67,7 @@ def test_the_default_strategy_sends_the_five_keys_and_the_run_key() -> None:
 
     s = DistributedLion(lr=1e-3, sample_seed=7)
     # Execute
-    record = s._round_config(4, Round(server_round=4, base_version=0, base_checksum=0, lr=1e-3))
+    record = s.down.round_config(4, Round(server_round=4, base_version=0, base_checksum=0, lr=1e-3))
     # Assert
     assert dict(record) == {
         "server-round": 4,

@@ -36,7 +36,6 @@ from .. import entropy
 from ..downlink import AnchoredHistory
 from ..params import LayoutError, ModelSpec, layer_mask, state_checksum
 from ..protocol import STATE_KEY, RejectedReply, checksum
-from ..server_delta import Aggregator
 from .aggregation import RoundCounts, Uplink
 from .common import DLionResult, ServerModelStrategy
 from .downlink_messages import Downlink
@@ -548,15 +547,6 @@ class DistributedLion(ServerModelStrategy):
     def _remember(self, broadcast: Broadcast) -> None:
         """Hand the round's encoded Δ to the downlink, which keeps it for lagging clients (the chain)."""
         self.down.remember(broadcast)
-
-    @property
-    def _aggregate_replies(self) -> Aggregator:
-        """The uplink's aggregator, chosen once from the options (``Uplink.aggregate_replies``)."""
-        return self.up.aggregate_replies
-
-    def _round_config(self, server_round: int, rnd: Round) -> ConfigRecord:
-        """The keys every client gets this round (``Downlink.round_config``)."""
-        return self.down.round_config(server_round, rnd)
 
     # ------------------------------------------------------------------ results
     def result_row(self) -> dict[str, int | float]:
