@@ -1,6 +1,6 @@
 """ResNet-18 (examples/resnet18-cifar10) on this machine: a D-Lion client round against a FedAvg local step.
 
-    .venv/bin/python benchmarks/resnet18_round.py [--rounds 4] [--batch-size 32] [--nodes 2]
+    .venv/bin/python benchmarks/resnet18_round.py [--rounds 4] [--batch-size 32] [--nodes 2] [--secure]
 
 Runs the example's own model and client code (DLionClient on 11,173,962 parameters, state in
 files as the library chooses for that size) on the in-process grid, every message serialized,
@@ -44,7 +44,7 @@ from flower_dlion_app.local_grid import LocalGrid
 Row = tuple[int, int, float, float]  # round, node's place in it (0: first), seconds, seconds of forward + backward
 
 
-def dlion_rounds(rounds: int, nodes: int, batch_size: int) -> tuple[list[Row], DistributedLion]:
+def dlion_rounds(rounds: int, nodes: int, batch_size: int, secure: bool = False) -> tuple[list[Row], DistributedLion]:
     """Each client's train handler after round 1 (its seconds, its forward and backward's), and the strategy."""
     app = ClientApp()
     client = DLionClient(app, Net)
@@ -72,7 +72,8 @@ def dlion_rounds(rounds: int, nodes: int, batch_size: int) -> tuple[list[Row], D
         return reply
 
     torch.manual_seed(0)
-    strategy = DistributedLion(lr=3e-4, weight_decay=0.5)
+    strategy = DistributedLion(lr=3e-4, weight_decay=0.5, secure=secure, min_train_nodes=3 if secure else 2,
+                               buffer_sync_every=0 if secure else 10)  # fmt: skip
     try:
         strategy.start(LocalGrid(app, nodes), ArrayRecord(Net().state_dict()), num_rounds=rounds)
     finally:
@@ -127,10 +128,11 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--secure", action="store_true", help="secure aggregation (3 nodes at least)")
     args = parser.parse_args()
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 0
     torch.manual_seed(0)
-    rows, strategy = dlion_rounds(args.rounds, args.nodes, args.batch_size)
+    rows, strategy = dlion_rounds(args.rounds, args.nodes, args.batch_size, args.secure)
     client = [t for _, _, t, _ in rows]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # where DLionClient's "auto" computes
     step, grad = fedavg_step(args.batch_size, args.repeat + 1, device)
@@ -141,6 +143,7 @@ def main() -> None:
     med = statistics.median
     gpu = f", {torch.cuda.get_device_name()}" if device.type == "cuda" else ""
     setup = f"torch {torch.__version__}, {torch.get_num_threads()} threads{gpu}, batch {args.batch_size}"
+    setup += ", secure aggregation" if args.secure else ""
     print(f"{setup}, d = {strategy.num_parameters:,}")
     print("| per client | D-Lion round (message in → reply out) | FedAvg local step | forward + backward |")
     print("|---|---|---|---|")

@@ -112,10 +112,12 @@ __all__ = [
     "HELLO",
     "HELLO_ACTION",
     "LEVELS_STYPE",
+    "MASKED_STYPE",
     "METRICS",
     "MOMENTUM",
     "OPTIONAL_REPLY_METRICS",
     "REST",
+    "SECURE",
     "SEED_MISMATCH",
     "SIGN_STYPE",
     "STATE_KEY",
@@ -151,6 +153,8 @@ SEED_MISMATCH = "x0 built from seed"  # in a client's error when its x₀ differ
 SIGN_STYPE = "dlion.sign1"
 LEVELS_STYPE = "dlion.levels"
 CODED_STYPE = "dlion.coded"  # entropy-coded count segments (flower_dlion.entropy), back to back
+MASKED_STYPE = "dlion.masked"  # secure aggregation: b bit planes of the signs plus pairwise masks (flower_dlion.secure)
+SECURE = "dlion.secure"  # secure aggregation's records: the round's peers (train), setup and unmask queries
 REPLY_METRICS = ("num-examples", "train-loss", "version", "checksum")
 # coin-flips: signs sent as coin flips (exact zeros of the Lion mix); context: the version whose two last Δs
 # the client holds (the next Δ can be coded with them), a short key: it rides on every reply

@@ -11,6 +11,8 @@ upload, broadcast              Δ's levels (S = Σᵢ Uᵢ)                     
 sign, exact (the default)      ``lion.aggregate(S, n, how, k=1)``          :func:`packed_delta`: the accelerated twin
                                                                            :func:`flower_dlion.codec.aggregate_packed`
                                                                            from the packed bits (S never formed)
+sign, exact, secure            ``lion.aggregate(S, n, how, k=1)``          :func:`counts_delta`: the same twin from the
+                                                                           unmasked count planes (no upload seen)
 sum, exact                     ``lion.aggregate(S, n, how, k=K)``          :func:`reference_delta`: S from
                                                                            ``Upload.total``, then the definition
 ef-sign, exact (vote only)     ``lion.weighted_vote(S)``, S = Σᵢ ±sᵢ        :func:`reference_delta`
@@ -44,6 +46,7 @@ __all__ = [
     "RoundDelta",
     "aggregate_replies",
     "choose_aggregator",
+    "counts_delta",
     "packed_delta",
     "quantized_delta",
     "reference_delta",
@@ -145,6 +148,18 @@ def packed_delta(uploads: Sequence[Parsed], shape: Shape, state: FeedbackState, 
     counted bit-sliced from the payloads; Δ = K·levels' values (scales K). ``state`` is not used.
     """
     agg = codec.aggregate_packed([u.data for u in uploads], shape.d, how)
+    return RoundDelta(agg.levels, agg.num_levels, agg.encoded, agg.ties, agg.sum_abs, _step_scales(shape), 0)
+
+
+def counts_delta(planes: np.ndarray, n: int, shape: Shape, *, how: Aggregation) -> RoundDelta:
+    """Exact Δ of n sign uploads from their per-coordinate counts c of +1 (secure aggregation's sum).
+
+    ``planes`` (b, ⌈d/8⌉) uint8: bit planes of c (:mod:`flower_dlion.secure.masking`); the planes
+    above ⌈log₂(n+1)⌉ are zero and dropped. Then :func:`flower_dlion.codec.aggregate_counts`, which
+    :func:`packed_delta` runs on the counts of the payloads: the same Δ, bit for bit.
+    """
+    counts = torch.from_numpy(np.ascontiguousarray(planes[: max(1, n.bit_length())]))
+    agg = codec.aggregate_counts(counts, n, shape.d, how)
     return RoundDelta(agg.levels, agg.num_levels, agg.encoded, agg.ties, agg.sum_abs, _step_scales(shape), 0)
 
 

@@ -16,9 +16,34 @@ from typing import Any
 from flwr.app import MessageType
 from flwr.serverapp.strategy import Strategy
 
+from flower_dlion import DistributedLion
 from flower_dlion_app.metering import MeteredGrid
 
 __all__ = ["Recorder"]
+
+
+DLION_ROW_KEYS = (
+    *("num-rejected", "num-failed", "full-syncs", "catch-ups", "checksum-mismatches", "state-resets"),
+    *("applied", "bytes-up-fp32", "bytes-down-fp32", "tie-fraction", "agreement", "coin-flip-fraction"),
+)  # D-Lion's round metrics that results.jsonl keeps (docs/GUIDE.md, "The round's metrics")
+
+
+def strategy_row(strategy: Strategy) -> dict[str, Any]:
+    """The strategy's own fields of the last round's row: D-Lion's metrics, a baseline's ``result_row()``."""
+    if isinstance(strategy, DistributedLion):
+        return {key.replace("-", "_"): strategy.history[-1][key] for key in DLION_ROW_KEYS}
+    result_row = getattr(strategy, "result_row", None)  # Flower's own strategies have none
+    return {} if result_row is None else result_row()
+
+
+def fp32_ratios(strategy: Strategy, bytes_up: int, bytes_down: int) -> dict[str, float]:
+    """How many times fewer bytes than float32 messages a D-Lion run sent, up and down (others: none)."""
+    if not isinstance(strategy, DistributedLion):
+        return {}
+    return {
+        f"fp32_over_sent_{key}": sum(m[f"bytes-{key}-fp32"] for m in strategy.history) / max(sent, 1)
+        for key, sent in (("up", bytes_up), ("down", bytes_down))
+    }
 
 
 def _json_number(value: float | int | None) -> float | int | None:
@@ -93,9 +118,7 @@ class Recorder:
                     "num_errors": ex.num_errors,
                 }
             )
-            result_row = getattr(strategy, "result_row", None)  # Flower's own strategies have none
-            if result_row is not None:
-                row.update(result_row())
+            row.update(strategy_row(strategy))
         row["wall_time_s"] = round(self.wall(), 3)
         row = {k: _json_number(v) for k, v in row.items()}
         self.rows.append(row)
@@ -145,7 +168,4 @@ class Recorder:
             "resumed_from_round": resumed_from_round,
             "config": config,
         }
-        result_summary = getattr(strategy, "result_summary", None)  # Flower's own strategies have none
-        if result_summary is not None:
-            summary.update(result_summary(up, down))
-        return summary
+        return summary | fp32_ratios(strategy, up, down)

@@ -15,6 +15,8 @@ from flower_dlion.clients.resident import NodeState, Replica, ReplicaPool
 from flower_dlion.clients.state import HostState, crc32, read_state_header
 from flower_dlion.clients.state_store import load_state
 from flower_dlion.params import ModelSpec
+from flower_dlion.protocol import CONFIG
+from flower_dlion.round_records import RoundConfig
 
 CPU = torch.device("cpu")
 
@@ -62,7 +64,8 @@ def node_at(x: np.ndarray, version: int = 0, m: torch.Tensor | None = None) -> N
 
 def apply(content: RecordDict, node: NodeState | None, spec: ModelSpec, node_id: int = 1) -> NodeState:
     """The node after the client applies ``content`` (a train message's) on the CPU."""
-    return apply_message(content, node, Apply(Placement(CPU), ReplicaPool(), spec, node_id))
+    env = Apply(Placement(CPU), ReplicaPool(), spec, node_id, RoundConfig.parse(content[CONFIG], node_id))
+    return apply_message(content, node, env)
 
 
 def replica_after(content: RecordDict, context: Context, spec: ModelSpec, node_id: int) -> torch.Tensor:
@@ -70,7 +73,8 @@ def replica_after(content: RecordDict, context: Context, spec: ModelSpec, node_i
     host = load_state(context)
     pool, placement = ReplicaPool(), Placement(CPU)
     node = None if host is None else placement.host_to_node(host, pool)
-    return apply_message(content, node, Apply(placement, pool, spec, node_id)).replica.x
+    env = Apply(placement, pool, spec, node_id, RoundConfig.parse(content[CONFIG], node_id))
+    return apply_message(content, node, env).replica.x
 
 
 def newest_file(folder: Path) -> Path:

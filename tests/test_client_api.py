@@ -289,7 +289,7 @@ def test_nodes_without_a_partition_id_are_known_by_their_node_id(tmp_path: Path)
     # Execute
     strategy.start(grid, initial_arrays(), num_rounds=3)
     # Assert
-    assert sorted(strategy._node_of) == grid.node_ids  # keyed by node id
+    assert sorted(strategy.nodes.node_of) == grid.node_ids  # keyed by node id
     assert all(h["num-replies"] == 3 and h["num-rejected"] == 0 for h in strategy.history)
     names = sorted(p.name for p in (tmp_path / strategy.run_key).iterdir())
     assert names == ["anchors"] + [f"node-{n}" for n in grid.node_ids]  # the anchors: one file per anchor, shared

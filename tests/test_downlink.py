@@ -318,7 +318,7 @@ def test_options_are_checked_before_round_1() -> None:
         DistributedLion(downlink="zip")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="anchor_every must be >= 1"):
         DistributedLion(anchor_every=0)
-    assert not DistributedLion(aggregation="mean").anchored and DistributedLion().anchored  # "auto"
+    assert not DistributedLion(aggregation="mean").options.anchored and DistributedLion().options.anchored  # "auto"
     with pytest.raises(ValueError, match="run-config 'anchor-every' must be >= 1, got 0"):
         read_config({"anchor-every": 0})
     with pytest.raises(ValueError, match="run-config downlink='anchored' needs integer Δs"):

@@ -43,7 +43,7 @@ def test_each_round_applies_and_sends_its_own_rate_and_a_lagging_client_gets_eac
     # Prepare: a vote, exact Δ, lr 0.1 halved each round, no decay; node 3 takes part in round 1 only
     lr = 0.1
     strategy = DistributedLion(lr=lr, weight_decay=0.0, lr_schedule=lambda t: 0.5 ** (t - 1))
-    assert not strategy.anchored  # "auto" takes the chain: the anchored downlink needs a constant rate
+    assert not strategy.options.anchored  # "auto" takes the chain: the anchored downlink needs a constant rate
     signs = {1: SIGNS[0], 2: SIGNS[1], 3: SIGNS[2]}
     x = torch.from_numpy(X0.copy())
     for server_round, nodes in ((1, [1, 2, 3]), (2, [1, 2])):

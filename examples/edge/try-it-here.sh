@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The whole edge setup on this machine: a SuperLink and N pretend devices on 127.0.0.1, with TLS and
 # SuperNode authentication, each device with its own data and no partition-id; then a D-Lion run.
-# Usage: bash try-it-here.sh [NUM_DEVICES] [ROUNDS]      (defaults: 2 devices, 3 rounds)
+# Usage: bash try-it-here.sh [NUM_DEVICES] [ROUNDS] [RUN_CONFIG]   (defaults: 2 devices, 3 rounds, "")
+#   e.g. the secure variant: bash try-it-here.sh 3 3 "secure=true min-train-nodes=3"
 # Every process it starts is stopped at the end (also on failure); it exits non-zero unless the run
 # finished as completed.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-devices=${1:-2} rounds=${2:-3}
+devices=${1:-2} rounds=${2:-3} extra=${3:-}
 work=$(mktemp -d)
 export FLWR_HOME="$work/flwr-home" FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1
 pids=()
@@ -38,7 +39,7 @@ for i in $(seq 0 $((devices - 1))); do
     "$work/creds/keys/node$i" "$work/data/device$i" "$(free_port)" > "$work/device$i.log" 2>&1 & pids+=($!)
 done
 
-out=$(flwr run "$here" edge --run-config "num-server-rounds=$rounds min-available-nodes=$devices" 2>&1)
+out=$(flwr run "$here" edge --run-config "num-server-rounds=$rounds min-available-nodes=$devices $extra" 2>&1)
 echo "$out"
 run_id=$(echo "$out" | grep -o 'run [0-9]*' | grep -o '[0-9]*$' | tail -1)
 status=""

@@ -4,9 +4,9 @@
 ``FLOWER_DLION_KERNELS=auto``, at every size under ``on``). Each one is the twin of the
 :mod:`flower_dlion.codec` (or :mod:`flower_dlion.downlink`) function or step its docstring
 names, takes its arguments, for inputs the caller has checked it can take (float32,
-contiguous, in host memory), runs the kernels of :mod:`.numba_pack` / :mod:`.numba_count` on
-torch's CPU threads (:mod:`.threads`) and returns its result; the caller does what follows
-(the packs' coin flips). Where a kernel would round differently from torch on this machine
+contiguous, in host memory), runs the kernels of :mod:`.numba_pack`, :mod:`.numba_levels` and
+:mod:`.numba_count` on torch's CPU threads (:mod:`.threads`) and returns its result; the caller
+does what follows (the packs' coin flips). Where a kernel would round differently from torch on this machine
 (checked once on a probe, against the reference the caller passes), the twin returns None and
 the caller runs the reference.
 """
@@ -23,6 +23,7 @@ import torch
 
 from ..formats import POW3, as_uint8, encoded_size, packed_size, trit_table, zero_mask_words
 from . import numba_count as count_kernels
+from . import numba_levels as level_kernels
 from . import numba_pack as kernels
 from . import threads
 from .probes import LocalStep, fused_step_matches_torch, lion_coefs, torch_steps
@@ -179,10 +180,12 @@ def _levels_into(packed: torch.Tensor, num_levels: int, d: int) -> np.ndarray:
     if num_levels == 2:  # one bit plane: each byte's 8 bits spread to 8 bytes
         words = buf[:size].view(np.uint64)
         planes = p.reshape(1, -1)
-        threads.on_threads(lambda first, last: kernels.planes_to_levels(planes, words, first, last), p.size, 1 << 17)
+        threads.on_threads(
+            lambda first, last: level_kernels.planes_to_levels(planes, words, first, last), p.size, 1 << 17
+        )
     else:
         lut = trit_table(packed.device).numpy()
-        work = functools.partial(kernels.trits_to_levels, p, lut, buf)
+        work = functools.partial(level_kernels.trits_to_levels, p, lut, buf)
         if max(threads.on_threads(work, p.size, 1 << 18), default=0) > 242:
             raise ValueError("trit5 byte above 242 (3^5 - 1): corrupted payload")
     return buf[:d]
@@ -213,7 +216,7 @@ def encode_trits(k: torch.Tensor) -> torch.Tensor:
     """The ``trit5`` bytes of 3-level CPU levels (five levels → a byte, in one pass)."""
     d = k.numel()
     k8, out, whole = k.to(torch.uint8).numpy(), np.empty((d + 4) // 5, dtype=np.uint8), d // 5
-    threads.on_threads(lambda first, last: kernels.levels_to_trits(k8, out, first, last), whole, 1 << 18)
+    threads.on_threads(lambda first, last: level_kernels.levels_to_trits(k8, out, first, last), whole, 1 << 18)
     if d % 5:  # the partial last group
         out[whole] = sum(int(v) * p for v, p in zip(k8[5 * whole :], POW3, strict=False))
     return torch.from_numpy(out)
@@ -222,7 +225,7 @@ def encode_trits(k: torch.Tensor) -> torch.Tensor:
 def decode_trits(p: torch.Tensor, d: int, dtype: torch.dtype) -> torch.Tensor:
     """``d`` levels from ``trit5`` bytes in host memory: each byte's digits from the table, the largest on the way."""
     t, lut, k8 = p.numpy(), trit_table(p.device).numpy(), np.empty(5 * p.numel(), dtype=np.uint8)
-    work = functools.partial(kernels.trits_to_levels, t, lut, k8)
+    work = functools.partial(level_kernels.trits_to_levels, t, lut, k8)
     largest = max(threads.on_threads(work, t.size, 1 << 18), default=0)
     if largest > 242:
         raise ValueError("trit5 byte above 242 (3^5 - 1): corrupted payload")
@@ -233,7 +236,7 @@ def levels_from_planes(planes: torch.Tensor, d: int, dtype: torch.dtype) -> torc
     """Levels from at most 8 packed bit planes in host memory: every plane byte spread to 8 levels in registers."""
     p, n8 = planes.contiguous().numpy(), planes.shape[1]
     words = np.empty(n8, dtype=np.uint64)
-    threads.on_threads(lambda first, last: kernels.planes_to_levels(p, words, first, last), n8, 1 << 17)
+    threads.on_threads(lambda first, last: level_kernels.planes_to_levels(p, words, first, last), n8, 1 << 17)
     k8 = words.view(np.uint8)[:d]
     return torch.from_numpy(k8 if dtype == torch.uint8 else k8.astype(np.int32))
 

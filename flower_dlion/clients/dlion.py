@@ -18,32 +18,27 @@ One ``train`` message, in order (:meth:`DLionClient.train`):
    x₀ from a seed, or the Δs it missed, ``x ← x − lr·(Δ + wd·x)`` as the server applied them);
    age the momentum of a node that missed rounds (``stale-momentum``: keep, decay, reset);
    adopt the synced momentum if the server sent one (refused unless finite and within ±10⁶);
-2. K = ``local-steps`` Lion steps (``lion.local_steps_``) on a copy of x, each on the mean
-   gradient of ``accumulate`` batches taken from ``batches``; U = Σₖ δₖ (with K = 1 this is
-   plain D-Lion: δ = sign(β₁·m + (1−β₁)·g), then m ← β₂·m + (1−β₂)·g). With
-   ``local-optimizer = "sgd"`` (FedSMU's client) K SGD steps at ``local-lr`` instead
-   (``lion.local_sgd``), and one Lion step on their model change g = x − x_K. With
-   ``local-proximal-mu`` μ each local gradient gains μ·(x_local − x) (drift control);
+2. K = ``local-steps`` Lion steps (``lion.local_steps_``) on a copy of x, each on the mean gradient
+   of ``accumulate`` batches from ``batches``; U = Σₖ δₖ (K = 1: plain D-Lion, δ = sign(β₁·m + (1−β₁)·g),
+   m ← β₂·m + (1−β₂)·g); or K SGD steps and one Lion step on their change (``local-optimizer = "sgd"``);
 3. encode U for the wire (the strategy's ``upload``): ``sign`` — 1 bit per parameter (exact
    zeros become a seeded coin flip; with K = 1, steps 2 and 3 are one fused pass,
    ``codec.pack_local_step_``); ``sum`` — the integer U; ``ef-sign`` — a scaled sign of U + e
-   with error feedback (each kind in :mod:`flower_dlion.uploads`, which the strategy uses too);
+   with error feedback (each kind in :mod:`flower_dlion.uploads`, which the strategy uses too); with
+   secure aggregation, the signs under the round's pairwise masks (:mod:`.secure_client`);
 4. reply with it, the loss, the number of examples, the replica's version and checksum (and
    the momentum or the buffers in the rounds that sync them);
-5. keep the node's state for the next round: on the device (:class:`resident.Residents`, where
-   the process lives on, as Flower's simulation workers do), and persisted on the host
-   (:class:`state.StateStore`: ``context.state`` or a file, what a new process, a restarted
-   node or a resumed run starts from; a node's resident state is used only while the
-   persisted copy is still the one it wrote).
+5. keep the node's state for the next round: on the device (:class:`resident.Residents`, where the
+   process lives on) and persisted on the host (:class:`state.StateStore`: ``context.state`` or a
+   file; the resident state is used only while the persisted copy is still the one it wrote).
 
 Where each part runs: the host side (the persisted state, the message's payloads, the entropy
 coder, checksums) works on numpy arrays, the device side (the replica, the momentum, the Lion
 step) on tensors on the client's device, and :class:`placement.Placement` is the one place that
 moves arrays between them.
 
-Reproducibility: the batches are drawn, and the loss computed, under torch's RNG seeded by
-(the strategy's seed, the node, the round), so a ``DataLoader(shuffle=True)`` and dropout give
-the same run twice; the coin flips for exact zeros come from a generator seeded the same way.
+Reproducibility: the batches are drawn, and the loss computed, under torch's RNG seeded by (the
+strategy's seed, the node, the round), and so are the coin flips: the same run twice.
 """
 
 from __future__ import annotations
@@ -66,6 +61,7 @@ from ..protocol import (
     HELLO,
     HELLO_ACTION,
     METRICS,
+    SECURE,
     UPLOAD,
     to_array,
 )
@@ -75,6 +71,7 @@ from .local_work import LocalWork, Tamper, adopt_momentum, age_momentum, round_g
 from .placement import Placement
 from .replica import Apply, apply_message
 from .resident import NodeState, ReplicaPool, Residents, device_memory
+from .secure_client import answer_query, mask_upload
 from .settings import MAX_BATCHES, ClientSettings, DeviceMemoryError, positive, resolve_device
 from .state import CONTEXT_LIMIT, ClientStateError, Expected, default_state_dir, node_label
 from .state_store import StateStore, wait_for_writes
@@ -187,9 +184,10 @@ class DLionClient:
             self._devices[device] = _Device(Binding(placement.model(model)), placement, pool, residents)
         return self._devices[device]
 
-    # ------------------------------------------------------------------ the hello
     def hello(self, msg: Message, context: Context) -> Message:
-        """Say who this node is, which replica version it can start from, and what its model holds."""
+        """Say who this node is, what replica version it can start from and what its model holds (or secure keys)."""
+        if SECURE in msg.content:
+            return Message(content=RecordDict({SECURE: answer_query(msg.content[SECURE], context)}), reply_to=msg)
         settings = self.settings(context)
         here = self._on(resolve_device(settings.device), settings)
         spec = here.bound.spec
@@ -243,7 +241,7 @@ class DLionClient:
         held = None
         try:
             before = None if node is None else node.version
-            env = Apply(here.placement, here.pool, spec, context.node_id, self._seed_fn, choice, cfg)
+            env = Apply(here.placement, here.pool, spec, context.node_id, cfg, self._seed_fn, choice)
             node = self._catch_up(msg, cfg, node, env, store)  # 1. the replica at the server's version
             here.pool.hold(held := node.replica)  # nothing recycles it while this message runs
             reply = self._round(msg, cfg, context, node, before, here, batches, tamper)  # 2.–4.
@@ -329,6 +327,8 @@ class DLionClient:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(round_seed(seed, key, server_round, 1))  # the batches' shuffles, dropout
             arrays = upload_arrays(node, cfg, spec.sizes, work, gen, tamper, flips)
+        if SECURE in msg.content:  # the signs under the round's pairwise masks
+            arrays = mask_upload(arrays, msg.content[SECURE], context, spec.d, server_round)
         if sync:
             assert mask is not None
             arrays["momentum"] = to_array(here.placement.to_host(node.m[mask]))

@@ -32,7 +32,7 @@ import math
 import time
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -62,9 +62,9 @@ class Apply:
     pool: ReplicaPool  # the replicas of this process
     spec: ModelSpec  # the model
     node_id: int  # for messages
+    round: RoundConfig  # the round's options, read and checked from the message (RoundConfig.parse)
     seed_fn: SeedFn | None = None  # builds x₀ from a seed
     context: ContextChoice | None = None  # keeps the coder context (the client may ask for Δs coded with it)
-    round: RoundConfig | None = None  # the round's options, checked (None: read from the message)
 
     @property
     def d(self) -> int:
@@ -79,8 +79,6 @@ class Apply:
 def apply_message(content: RecordDict, node: NodeState | None, env: Apply) -> NodeState:
     """The node at the version the server sent: ``node``'s own state with a new replica, or a new node."""
     round_config = content[CONFIG]
-    if env.round is None:
-        env = replace(env, round=RoundConfig.parse(round_config, env.node_id))
     kind, version = round_config["kind"], env.round.version
     if kind == "full" or (node is None and "init-seed" in round_config):
         _check_layout(round_config, env.spec, env.node_id)
@@ -125,7 +123,6 @@ def apply_message(content: RecordDict, node: NodeState | None, env: Apply) -> No
 def _apply_anchored(content: RecordDict, node: NodeState | None, env: Apply) -> NodeState:
     """The anchored downlink: the base (own replica, x₀ from the seed, or the anchor sent), then the count segments."""
     round_config = content[CONFIG]
-    assert env.round is not None
     kind, version, node_id = round_config["kind"], env.round.version, env.node_id
     m, error, rest = (env.zeros(), None, {}) if node is None else (node.m, node.error, node.rest)
     if kind == "full":  # the anchor, then the counts since it
@@ -300,7 +297,6 @@ def _undo(replica: Replica, node: NodeState, env: Apply) -> Replica:
 def _apply_deltas(content: RecordDict, base: Replica, env: Apply, *, skip: int) -> Replica:
     """X ← x − lr·(Δ + wd·x) for each received Δ after the first ``skip`` (those x already has), into a new replica."""
     round_config, d, node_id = content[CONFIG], env.d, env.node_id
-    assert env.round is not None
     sizes = quantizers.scale_blocks(env.spec.sizes, env.round.scale_block)
     arr = content[BROADCAST]["payload"]
     if arr.stype != LEVELS_STYPE:

@@ -56,13 +56,14 @@ from .signs import (
     unpack_bits,
     unpack_signs,
 )
-from .votes import PackedAggregate, aggregate_packed, count_ones, count_planes, majority_masks
+from .votes import PackedAggregate, aggregate_counts, aggregate_packed, count_ones, count_planes, majority_masks
 
 __all__ = [  # with the formats' shared definitions (flower_dlion.formats), re-exported
     "POW3",
     "SIGN1",
     "TRIT5",
     "PackedAggregate",
+    "aggregate_counts",
     "aggregate_packed",
     "apply_levels_",
     "as_uint8",

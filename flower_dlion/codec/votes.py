@@ -16,7 +16,14 @@ from .. import accel
 from ..formats import TRIT5, as_uint8, level_format, packed_size
 from .levels import _levels_from_planes, encode_levels, planes_to_counts
 
-__all__ = ["PackedAggregate", "aggregate_packed", "count_ones", "count_planes", "majority_masks"]
+__all__ = [
+    "PackedAggregate",
+    "aggregate_counts",
+    "aggregate_packed",
+    "count_ones",
+    "count_planes",
+    "majority_masks",
+]
 
 
 def count_ones(payloads: Sequence[torch.Tensor | bytes | np.ndarray], d: int) -> torch.Tensor:
@@ -193,9 +200,22 @@ def aggregate_packed(payloads: Sequence[torch.Tensor | bytes | np.ndarray], d: i
     n = len(payloads)
     if n < 1:
         raise ValueError("aggregate_packed needs at least one payload")
+    return aggregate_counts(count_planes(payloads, d).cpu(), n, d, how)
+
+
+def aggregate_counts(planes: torch.Tensor, n: int, d: int, how: str) -> PackedAggregate:
+    """:func:`aggregate_packed` from the counts themselves: ``planes`` (B, ⌈d/8⌉) uint8 on the CPU.
+
+    Plane j packs bit j of every coordinate's count c of +1 votes among ``n`` (as
+    :func:`count_planes` gives them, or as secure aggregation unmasks them: the bit planes of
+    Σᵢ yᵢ mod 2ᵇ, :mod:`flower_dlion.secure.masking`); B ≥ ⌈log₂(n+1)⌉ and every c ≤ n. The
+    result is :func:`aggregate_packed`'s for the payloads those counts came from, bit for bit.
+    """
+    if n < 1:
+        raise ValueError("aggregate_counts needs at least one vote")
     if how not in ("vote", "mean"):
         raise ValueError(f"how must be 'vote' or 'mean', got {how!r}")
-    planes = count_planes(payloads, d).cpu()
+    planes = planes.clone()
     if d % 8:  # bits past d (a payload's spare bits) count for nothing
         planes[:, -1] &= (0xFF00 >> (d % 8)) & 0xFF
     gt, tie = majority_masks(planes, n, d)

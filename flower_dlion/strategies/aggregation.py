@@ -25,6 +25,7 @@ from functools import cached_property
 from logging import WARNING
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, Message
 from flwr.supercore import log
@@ -34,6 +35,7 @@ from ..bounds import median_momentum, robust_buffers
 from ..downlink import levels_to_signs
 from ..protocol import (
     CLIENT_STATE_ERROR,
+    MASKED_STYPE,
     METRICS,
     OPTIONAL_REPLY_METRICS,
     REPLY_METRICS,
@@ -45,8 +47,9 @@ from ..protocol import (
     message_bytes,
     read_metrics,
 )
-from ..server_delta import Aggregator, choose_aggregator
-from ..uploads import Shape, upload_kind
+from ..secure import masking
+from ..server_delta import Aggregator, choose_aggregator, counts_delta
+from ..uploads import Parsed, Shape, upload_kind
 from .common import CheckedReplies
 from .options import OptionAttribute, Options
 from .server_state import Broadcast, Round, ServerState, ValidReply
@@ -145,6 +148,9 @@ class Uplink:
     # ------------------------------------------------------------------ 1. check
     def _expected_arrays(self, rnd: Round) -> dict[str, tuple[str, str, int]]:
         """Array name → (stype or "", dtype, bytes) that a valid reply holds this round."""
+        if self.options.secure.secure:  # b bit planes of the masked signs, b for the round's participants
+            bits = masking.mask_bits(max(1, len(rnd.participants)))
+            return {"masked": (MASKED_STYPE, "level", bits * masking.plane_bytes(self.model.num_parameters))}
         out = self.kind.expected(self.shape)
         if rnd.momentum_sync:
             assert self.model.momentum_mask is not None
@@ -166,7 +172,10 @@ class Uplink:
             raise RejectedReply(f"'{UPLOAD}' must be an ArrayRecord holding {sorted(expected)}, got {got}")
         floats = self._check_arrays(record, expected)
         d = self.model.num_parameters
-        upload = self.kind.parse(record[self.kind.main].data, floats, self.shape)
+        if "masked" in expected:  # uniform in Z_{2^b} whatever the signs: nothing more to check
+            upload = Parsed(record["masked"].data)
+        else:
+            upload = self.kind.parse(record[self.kind.main].data, floats, self.shape)
         values = read_metrics(content, METRICS, REPLY_METRICS, optional=OPTIONAL_REPLY_METRICS)
         flips = values.get("coin-flips", 0)
         if not (isinstance(flips, int) and 0 <= flips <= d):
@@ -250,8 +259,13 @@ class Uplink:
         return choose_aggregator(self.kind, self.aggregation, self.broadcast_bits, self.server_momentum)
 
     # ------------------------------------------------------------------ 3. apply
-    def apply(self, valid: list[ValidReply], rnd: Round, counts: RoundCounts) -> Applied:
+    def apply(
+        self, valid: list[ValidReply], rnd: Round, counts: RoundCounts, unmasked: np.ndarray | None = None
+    ) -> Applied:
         """Aggregate the valid replies into Δ and apply it to x; count the clipped scales in ``counts``.
+
+        ``unmasked``: secure aggregation's counts of the replies' signs (bit planes), which then
+        give Δ (:func:`~flower_dlion.server_delta.counts_delta`) instead of the uploads.
 
         Also combines the round's momenta and buffers. Returns the share of tied coordinates, the
         agreement (mean |S| / (n·scale); NaN for ef-sign) and, for the chain downlink, the encoded
@@ -259,7 +273,10 @@ class Uplink:
         """
         assert self.model.x is not None
         d, n = self.model.num_parameters, len(valid)
-        update = self.aggregate_replies([r.upload for r in valid], self.shape, self.state)
+        if unmasked is not None:
+            update = counts_delta(unmasked, n, self.shape, how=self.aggregation)
+        else:
+            update = self.aggregate_replies([r.upload for r in valid], self.shape, self.state)
         counts.clipped, scales = update.clipped, update.scales
         broadcast = None
         history = self.state.anchored

@@ -1,4 +1,4 @@
-"""What both of our strategies share: checks, the server's model, sampling by node key, the round loop.
+"""What both of our strategies share: checks, the server's model, sampling (through its nodes), the round loop.
 
 The server's model is a flat float32 vector x (the trainable parameters) plus the rest of the
 model's state_dict (frozen parameters, buffers; see :mod:`flower_dlion.params`). Nodes are known
@@ -9,7 +9,6 @@ can start at a later round (a resume); federated evaluation sends Flower's own e
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
@@ -18,20 +17,18 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
-from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 from flwr.supercore import log
 
 from ..params import Entry, ModelSpec
-from ..protocol import HELLO, HELLO_ACTION, RejectedReply, error_text, to_array
+from ..protocol import RejectedReply, error_text, to_array
+from .nodes import Nodes
 from .run_loop import DLionResult, run_rounds, run_totals
-from .run_stops import FailedRounds, RunStopped, nodes_text, short_reason, whole_reason
+from .run_stops import FailedRounds, whole_reason
 
 __all__ = ["CheckedReplies", "DLionResult", "Layout", "ServerModelStrategy", "check_common_args", "spec_of_arrays"]
-
-HELLO_TYPE = f"{MessageType.QUERY}.{HELLO_ACTION}"
 
 Layout = list[tuple[str, tuple[int, ...]]]
 R = TypeVar("R")
@@ -76,12 +73,11 @@ class ServerModelStrategy(Strategy):
     x is taken from the initial arrays in the first ``configure_train``: the entries the
     clients' model description (their hello) calls trainable, every array when they send none.
 
-    Nodes are known by a key, not by Flower's node ids (random per run, new after a SuperNode
-    restarts): each new node id gets one hello (a ``query.dlion`` message, ``protocol.HELLO``)
-    and says which partition it trains on (its key; a node without ``partition-id`` in its node
-    config is known by its node id). Round t samples ``max(min_train_nodes, ⌊fraction_train · N⌋)``
-    of the N connected keys with ``numpy.random.default_rng([sample_seed, t])``: the same
-    partitions in every run with the same seed, whatever the node ids, and after a resume.
+    Nodes are known by a key, not by Flower's node ids (:class:`~flower_dlion.strategies.nodes.Nodes`,
+    ``strategy.nodes``): each new node id gets one hello and says which partition it trains on.
+    Round t samples ``max(min_train_nodes, ⌊fraction_train · N⌋)`` of the N connected keys with
+    ``numpy.random.default_rng([sample_seed, t])``: the same partitions in every run with the same
+    seed, whatever the node ids, and after a resume.
 
     Parameters
     ----------
@@ -143,20 +139,18 @@ class ServerModelStrategy(Strategy):
         self.sample_seed = sample_seed
         self.max_failed_rounds = max_failed_rounds
         self._failures = FailedRounds(max_failed_rounds, min_replies)  # failed rounds in a row, and why
-        self._greeted = False  # a node has answered a hello usefully in this process
         self.x: torch.Tensor | None = None  # the global model's trainable parameters, flat float32
         self.spec: ModelSpec | None = None  # what the model holds (set with x)
         self._layout: Layout = []  # (name, shape) of each tensor of x
         self._rest: dict[str, np.ndarray] = {}  # frozen parameters and buffers, by name
         self._out: dict[str, np.dtype] = {}  # name → the initial array's dtype (how arrays() returns it)
-        self._pid_of: dict[int, int] = {}  # node id → its key (partition id, or its node id)
-        self._node_of: dict[int, int] = {}  # key → node id
-        self._refused: dict[int, str] = {}  # node id → why its hello was refused (not asked again)
-        self.query_timeout = 600.0  # seconds to wait for the answers to a hello
+        self.nodes = Nodes(self, lambda node_id, why: self._failures.reject(node_id, why))
         self._outbox: list[Message] = []  # the train messages of the round in progress
         self._evaluating: set[int] = set()  # nodes sent an evaluate message this round
         self.num_rounds = 0  # the last round of the run in progress (set by start)
         self.history: list[dict[str, Any]] = []  # one dict of metrics per aggregated round (subclasses fill it)
+        self._initial: dict[str, np.ndarray] | None = None  # the initial arrays, until x is made from them
+        self._described: ModelSpec | None = None  # the model description the first valid hello gave
 
     @property
     def num_parameters(self) -> int:
@@ -205,32 +199,32 @@ class ServerModelStrategy(Strategy):
         out |= self._rest
         return ArrayRecord({name: to_array(out[name]) for name in self._out})  # the values copied once
 
-    # ------------------------------------------------------------------ nodes
+    def _sample_with_model(self, grid: Grid, server_round: int, arrays: ArrayRecord) -> list[int]:
+        """:meth:`_sample`, and in the first round x from ``arrays`` as the nodes' hellos describe the model.
+
+        Raises
+        ------
+        ValueError
+            In the first round, when every node that answered was refused for good (its model
+            does not match the initial arrays, naming the first differing tensor; its ClientApp
+            has no DLionClient): nothing has been trained.
+
+        """
+        if self.x is None:
+            self._initial = {name: arr.numpy() for name, arr in arrays.items()}
+        node_ids = self._sample(grid, server_round)
+        if self.x is None:
+            if not node_ids and self.nodes.refused:
+                reasons = "; ".join(f"node {n}: {why}" for n, why in list(self.nodes.refused.items())[:3])
+                raise ValueError(f"no node can take part: {reasons}")
+            self._init_model(arrays, self._described)
+            self._initial = None
+        return node_ids
+
+    # ------------------------------------------------------------------ nodes (nodes.py)
     def partition_of(self, node_id: int) -> int:
         """The key a node is known by: its partition id, or its node id (-1 if unknown)."""
-        return self._pid_of.get(node_id, -1)
-
-    def _reply_node(self, reply: Message, sent: Iterable[Message] | None = None) -> tuple[int, int]:
-        """The node a reply speaks for and its key (-1 if unknown).
-
-        A node's own reply: its sender. When a node stops heartbeating, the SuperLink answers
-        the message sent to it with an error of its own (sender ``SUPERLINK_NODE_ID``); that
-        reply is the node's, found by the message it answers (``reply_to_message_id``; the
-        Grid gave the sent messages their ids). The node's id is then forgotten, so that it is
-        greeted again (hello) when it reconnects: a SuperNode restarted under node
-        authentication keeps its id, but not its state.
-        """
-        node_id = reply.metadata.src_node_id
-        answered = reply.metadata.reply_to_message_id
-        if node_id == SUPERLINK_NODE_ID and answered:
-            for msg in self._outbox if sent is None else sent:
-                if msg.metadata.message_id == answered:
-                    node_id = msg.metadata.dst_node_id
-                    pid = self._pid_of.pop(node_id, -1)
-                    if self._node_of.get(pid) == node_id:
-                        del self._node_of[pid]
-                    return node_id, pid
-        return node_id, self.partition_of(node_id)
+        return self.nodes.partition_of(node_id)
 
     def _check_and_log_replies(
         self,
@@ -247,7 +241,7 @@ class ServerModelStrategy(Strategy):
         """
         out: CheckedReplies[R] = CheckedReplies()
         for msg in replies:
-            node_id, pid = self._reply_node(msg)  # for a SuperLink error reply: the node it speaks for
+            node_id, pid = self.nodes.reply_node(msg, self._outbox)  # a SuperLink error reply: the node's
             try:
                 if node_id in out.answered:
                     raise RejectedReply("a second reply from this node in this round")
@@ -263,6 +257,10 @@ class ServerModelStrategy(Strategy):
                 continue
             out.answered.add(node_id)
             out.valid.append(parsed)
+        for msg in self._outbox:
+            if (node_id := msg.metadata.dst_node_id) not in out.answered:
+                pid = self.partition_of(node_id)
+                log(WARNING, "round %d: no reply from node %d (partition %d)", server_round, node_id, pid)
         return out
 
     def _round_outcome(self, server_round: int, valid: int, why: str) -> None:
@@ -292,121 +290,18 @@ class ServerModelStrategy(Strategy):
         if previous is not None:
             log(WARNING, "partition %d: node %d replaces node %d (a restarted SuperNode?)", pid, node_id, previous)
 
-    def _discover(self, grid: Grid, server_round: int) -> list[int]:
-        """Wait for ``min_available_nodes``; say hello to new node ids; the connected nodes we know.
-
-        Raises
-        ------
-        RunStopped
-            Before any node has answered a hello usefully, when every connected node has now
-            answered its hello with an error or a refusal (at least one of them an error: a
-            model that does not match is the strategy's to report).
-
-        """
-        connected = list(grid.get_node_ids())
-        while len(connected) < self.min_available_nodes:
-            log(
-                INFO,
-                "waiting for nodes: %d of %d connected (min_available_nodes; run config 'min-available-nodes')",
-                len(connected),
-                self.min_available_nodes,
-            )
-            time.sleep(1.0)
-            connected = list(grid.get_node_ids())
-        new = [n for n in connected if n not in self._pid_of and n not in self._refused]
-        failed: dict[int, str] = {}  # node id → why its hello was rejected now
-        if new:
-            content = RecordDict({HELLO: self._hello_config(server_round)})
-            group = f"hello-{server_round}"
-            hellos = [Message(content=content, dst_node_id=n, message_type=HELLO_TYPE, group_id=group) for n in new]
-            for reply in grid.send_and_receive(hellos, timeout=self.query_timeout):
-                node_id, why = self._greet(reply, hellos, new, server_round)
-                if why is not None:
-                    failed[node_id] = why
-        known = [n for n in connected if self._pid_of.get(n) is not None and self._node_of[self._pid_of[n]] == n]
-        if new and not known and not self._greeted:
-            self._stop_if_no_hello_was_useful(connected, failed, server_round)
-        return known
-
-    def _stop_if_no_hello_was_useful(self, connected: list[int], failed: dict[int, str], server_round: int) -> None:
-        """Raise :class:`RunStopped` when every connected node's hello failed, one at least with an error."""
-        why_of = {n: failed.get(n, self._refused.get(n)) for n in connected}
-        if any(why is None for why in why_of.values()) or all(n in self._refused for n in failed):
-            return  # a node has not answered (the rounds count it), or the refusals are the strategy's to report
-        by_reason: dict[str, list[int]] = {}
-        for node_id, why in why_of.items():
-            by_reason.setdefault(str(why), []).append(node_id)
-        reasons = "; ".join(f"{nodes_text(nodes)}: {why}" for why, nodes in by_reason.items())
-        raise RunStopped(
-            f"no node answered the hello usefully (round {server_round}): {reasons}. Each node's ClientApp "
-            "answers the strategy's hello with its DLionClient (`DLionClient(app, Net)` registers the handler "
-            "for the query message): see the clients' logs for these errors",
-            server_round,
-        )
-
-    def _greet(
-        self, reply: Message, hellos: list[Message], new: list[int], server_round: int
-    ) -> tuple[int, str | None]:
-        """Take one answer to a hello: the node's key and version, or a logged refusal.
-
-        Returns the node's id and, for a refused hello, why (None when it was taken).
-        """
-        node_id, _ = self._reply_node(reply, hellos)
-        try:
-            if reply.has_error() and f"No query function registered with name '{HELLO_ACTION}'" in reply.error.reason:
-                raise RejectedReply(
-                    "its ClientApp has no DLionClient to answer the hello: add `dlion = DLionClient(app, Net)` "
-                    "to your client_app.py and call `dlion.train(msg, context, batches)` in its train handler",
-                    final=True,
-                )
-            if reply.has_error():
-                raise RejectedReply(error_text(reply))
-            if node_id not in new:
-                raise RejectedReply("no hello was sent to this node")
-            record = reply.content[HELLO] if HELLO in reply.content else None
-            if not isinstance(record, (ConfigRecord, MetricRecord)):
-                raise RejectedReply(f"no '{HELLO}' record with the node's partition-id and version")
-            pid, version = record.get("partition-id"), record.get("version")
-            if not all(isinstance(v, int) and not isinstance(v, bool) and v >= -1 for v in (pid, version)):
-                raise RejectedReply(f"partition-id {pid!r} / version {version!r} are not valid integers")
-            key = pid if pid >= 0 else node_id
-            owner = self._node_of.get(key)
-            if pid < 0 and owner is not None and owner != node_id:
-                raise RejectedReply(f"node id {node_id} is already the partition id of node {owner}")
-            self._check_hello(node_id, record)
-        except (RejectedReply, KeyError, TypeError) as err:
-            if isinstance(err, RejectedReply) and err.final:
-                self._refused[node_id] = str(err)
-            log(WARNING, "round %d: rejected hello from node %d: %s", server_round, node_id, err)
-            reason = whole_reason(reply, err)
-            self._failures.reject(node_id, f"hello: {reason}")
-            return node_id, short_reason(reason)
-        previous = self._node_of.get(key)
-        if previous is not None:
-            self._pid_of.pop(previous, None)
-        self._pid_of[node_id] = key
-        self._node_of[key] = node_id
-        self._greeted = True
-        self._on_new_node(key, node_id, version, previous)
-        return node_id, None
-
     def _sample(self, grid: Grid, server_round: int, *, evaluate: bool = False) -> list[int]:
         """Node ids of the keys sampled for ``server_round`` (seeded by round, see the class doc).
 
         ``evaluate``: the federated evaluation's sample (``fraction_evaluate``,
         ``min_evaluate_nodes``, its own stream of the seeded generator).
         """
-        nodes = self._discover(grid, server_round)
-        fraction = self.fraction_evaluate if evaluate else self.fraction_train
-        minimum = self.min_evaluate_nodes if evaluate else self.min_train_nodes
-        pids = sorted(self._pid_of[n] for n in nodes)
-        k = min(len(pids), max(minimum, int(len(pids) * fraction)))
-        if k < len(pids):
-            keys = [self.sample_seed, server_round] + ([1] if evaluate else [])
-            pids = sorted(np.random.default_rng(keys).choice(pids, k, replace=False))
-        what = "configure_evaluate" if evaluate else "configure_train"
-        log(INFO, "%s: sampled %d nodes (out of %d)", what, len(pids), len(nodes))
-        return [self._node_of[int(p)] for p in pids]
+        if evaluate:
+            seed = [self.sample_seed, server_round, 1]
+            return self.nodes.sample(grid, server_round, self.fraction_evaluate, self.min_evaluate_nodes, seed,
+                                     "configure_evaluate")  # fmt: skip
+        seed = [self.sample_seed, server_round]
+        return self.nodes.sample(grid, server_round, self.fraction_train, self.min_train_nodes, seed, "configure_train")
 
     # ------------------------------------------------------------------ federated evaluation
     def configure_evaluate(
@@ -488,6 +383,7 @@ class ServerModelStrategy(Strategy):
             closing line, ``[flower-dlion] run totals (result.totals): …``.
 
         """
+        self._check_rounds(start_round, num_rounds)
         return run_rounds(
             self,
             grid,
@@ -501,6 +397,9 @@ class ServerModelStrategy(Strategy):
             on_round_end=on_round_end,
         )
 
+    def _check_rounds(self, start_round: int, num_rounds: int) -> None:
+        """Refuse, before round 1, a run whose rounds the strategy cannot serve (subclasses check)."""
+
     def run_totals(self) -> MetricRecord:
         """The run's totals so far (what :attr:`DLionResult.totals` holds; :func:`.run_loop.run_totals`)."""
         return run_totals(self.history)
@@ -513,7 +412,8 @@ class ServerModelStrategy(Strategy):
             "spec": None if self.spec is None else self.spec.encode(),
             "rest": {name: torch.from_numpy(a.copy()) for name, a in self._rest.items()},
             "out-dtypes": {name: str(dtype) for name, dtype in self._out.items()},
-            "partitions": dict(self._node_of),  # only informative: node ids change after a resume
+            "partitions": dict(self.nodes.node_of),  # only informative: node ids change after a resume
+            "history": [dict(h) for h in self.history],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -523,7 +423,8 @@ class ServerModelStrategy(Strategy):
         self._layout = [] if self.spec is None else self.spec.layout
         self._rest = {name: t.numpy().copy() for name, t in state["rest"].items()}
         self._out = {name: np.dtype(dtype) for name, dtype in state["out-dtypes"].items()}
-        self._pid_of, self._node_of, self._refused = {}, {}, {}
+        self.nodes.forget()
+        self.history = [dict(h) for h in state.get("history", [])]
         self._failures = FailedRounds(self.max_failed_rounds, self.min_replies)
 
     def _log_sampling(self) -> None:

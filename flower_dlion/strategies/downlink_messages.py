@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.supercore import log
 
-from ..downlink import Segment
-from ..params import layout_fingerprint
+from .. import entropy
+from ..downlink import AnchoredHistory, Segment
+from ..params import layout_fingerprint, state_checksum
 from ..protocol import (
     BROADCAST,
     CODED_STYPE,
@@ -41,7 +42,7 @@ from ..protocol import (
 )
 from ..round_records import RoundConfig
 from .options import OptionAttribute, Options
-from .server_state import Broadcast, Round, ServerState
+from .server_state import Broadcast, Round, ServerState, ValidReply
 
 if TYPE_CHECKING:
     from .views import ModelView, NodeView
@@ -99,11 +100,31 @@ class Downlink:
         """Whether the downlink is anchored (``downlink="anchored"``, or "auto" where it applies)."""
         return self.options.anchored
 
-    def message_for(self, node_id: int, server_round: int, rnd: Round, config: ConfigRecord) -> Message:
-        """The train message for one node; adds it to ``rnd`` (kind sent, bytes, as fp32 would have been)."""
+    def start(self) -> None:
+        """Set up what the downlink keeps once x is known: x₀'s checksum and, anchored, the history at x₀."""
+        x, step = self.model.x, self.options.step
+        assert x is not None
+        self.state.x0_checksum = state_checksum(x, self.model.rest)
+        if self.anchored:
+            k, d = self.options.local.lion_steps, self.model.num_parameters
+            memory = 32 * d if self.max_history_bytes is None else self.max_history_bytes
+            self.state.anchored = AnchoredHistory(
+                x.clone(), 1.0 - step.lr * step.weight_decay * k, step.lr * k, self.anchor_every,
+                entropy.blocks_of(self.model.sizes), memory,
+            )  # fmt: skip
+
+    def message_for(
+        self, node_id: int, server_round: int, rnd: Round, config: ConfigRecord, extra: RecordDict | None = None
+    ) -> Message:
+        """The train message for one node; adds it to ``rnd`` (kind sent, bytes, as fp32 would have been).
+
+        ``extra``: more records for the message (secure aggregation's peers), counted in its bytes.
+        """
         content, kind, payload_len = self._content_for(node_id, server_round, rnd)
         if len(config):  # the ServerApp's train_config, where FedAvg puts it
             content[USER_CONFIG] = config
+        for name, record in (extra or {}).items():
+            content[name] = record
         if self.state.synced_momentum is not None:  # the median of the last sync round's momenta
             content[MOMENTUM] = ArrayRecord({"m": Array(self.state.synced_momentum.numpy())})
         msg = Message(content=content, dst_node_id=node_id, message_type=MessageType.TRAIN, group_id=str(server_round))
@@ -140,6 +161,16 @@ class Downlink:
             state_round=server_round - 1 if files else None,
             keep_round=self.nodes.checkpoint_round if files else 0,
         ).to_record()
+
+    def confirm(self, valid: list[ValidReply], rnd: Round) -> None:
+        """The nodes of the valid replies hold the round's base version (and the context they named).
+
+        The others keep their last confirmed version.
+        """
+        for reply in valid:
+            pid = self.nodes.partition_of(reply.node_id)
+            self.state.version_of[pid] = rnd.base_version
+            self.state.context_of[pid] = int(reply.values.get("context", -1))
 
     def forget_stale_replica(self, pid: int, node_id: int, version: int) -> bool:
         """Keep the partition's version if the node (at ``version``) can start from it; else it gets the full model.

@@ -1,7 +1,7 @@
 """The options of :class:`~flower_dlion.strategies.dlion.DistributedLion`, in small groups that check themselves.
 
 :class:`DistributedLion`'s flat keyword arguments (its docstring says what each one is) are kept
-in five frozen groups, each named as the strategy's code uses it:
+in six frozen groups, each named as the strategy's code uses it:
 
 - :class:`StepOptions`: the server's Lion step (rate, schedule, decay, betas);
 - :class:`LocalOptions`: what each client does between two uploads (local steps, their optimizer);
@@ -10,10 +10,11 @@ in five frozen groups, each named as the strategy's code uses it:
   :class:`~flower_dlion.strategies.aggregation.Uplink`);
 - :class:`DownlinkOptions`: how a node is brought to x (the options of
   :class:`~flower_dlion.strategies.downlink_messages.Downlink`);
-- :class:`SyncOptions`: the momentum and buffer synchronizations.
+- :class:`SyncOptions`: the momentum and buffer synchronizations;
+- :class:`SecureOptions`: secure aggregation of the signs (:mod:`flower_dlion.secure`).
 
 Each group raises a ``ValueError`` naming the argument, its value and what it needs when it is
-built with a value out of its range; :class:`Options` holds the five and checks the combinations
+built with a value out of its range; :class:`Options` holds the six and checks the combinations
 that involve two of them. The strategy reads each option by its argument name
 (``strategy.lr`` is ``strategy.options.step.lr``) through :class:`OptionAttribute`.
 """
@@ -25,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from ..secure.masking import MIN_PARTICIPANTS
 from ..uploads import upload_kind
 from .common import check_common_args
 
@@ -33,6 +35,7 @@ __all__ = [
     "LocalOptions",
     "OptionAttribute",
     "Options",
+    "SecureOptions",
     "StepOptions",
     "SyncOptions",
     "UplinkOptions",
@@ -61,6 +64,26 @@ class StepOptions:
         check_common_args(lr=self.lr, weight_decay=self.weight_decay, betas={"beta1": self.beta1, "beta2": self.beta2})
         if self.lr_schedule is not None and not callable(self.lr_schedule):
             raise ValueError(f"lr_schedule must be a function of the server round or None, got {self.lr_schedule!r}")
+
+    def lr_at(self, server_round: int) -> float:
+        """The learning rate of ``server_round``: ``lr · lr_schedule(server_round)``.
+
+        Raises
+        ------
+        ValueError
+            The schedule's factor for that round is not a number in [0, 1].
+
+        """
+        if self.lr_schedule is None:
+            return self.lr
+        factor = self.lr_schedule(server_round)
+        try:
+            value = float(factor)
+        except (TypeError, ValueError):
+            value = math.nan
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"lr_schedule({server_round}) must be a number in [0, 1] (a factor of lr), got {factor!r}")
+        return self.lr * value
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -208,17 +231,66 @@ class SyncOptions:
             if value < 0:
                 raise ValueError(f"{name} must be >= 0 (0: never), got {value}")
 
+    def momentum_round(self, server_round: int) -> bool:
+        """Whether the clients upload their momenta in ``server_round`` (every ``momentum_sync_every``)."""
+        return bool(self.momentum_sync_every) and server_round % self.momentum_sync_every == 0
+
+    def buffer_round(self, server_round: int, last_round: int) -> bool:
+        """Whether clients with buffers upload them in ``server_round``: round 1, every R-th and the last."""
+        every = self.buffer_sync_every
+        return bool(every) and (server_round == 1 or server_round % every == 0 or server_round == last_round)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SecureOptions:
+    """Secure aggregation: clients upload their signs under pairwise masks; the server sees only the counts.
+
+    Raises
+    ------
+    ValueError
+        ``secure_threshold`` outside (0, 1] or a negative ``secure_degree``. (What secure
+        aggregation needs of the upload and the synchronizations: :class:`Options`.)
+
+    """
+
+    secure: bool = False
+    secure_threshold: float = 0.5
+    secure_degree: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.secure, bool):
+            raise ValueError(f"secure must be True or False, got {self.secure!r}")
+        if not (math.isfinite(self.secure_threshold) and 0.0 < self.secure_threshold <= 1.0):
+            raise ValueError(
+                f"secure_threshold must be in (0, 1] (the share of a key's holders needed to recover it), "
+                f"got {self.secure_threshold}"
+            )
+        if self.secure_degree < 0:
+            raise ValueError(f"secure_degree must be >= 0 (0: every other participant), got {self.secure_degree}")
+
+    def sampling(self, min_train_nodes: int | None, min_available_nodes: int | None) -> tuple[int, int]:
+        """The two node counts, None meaning 2 (3 with ``secure``); refuses a secure run that may sample 2."""
+        least = MIN_PARTICIPANTS if self.secure else 2
+        min_train_nodes = least if min_train_nodes is None else min_train_nodes
+        if self.secure and min_train_nodes < MIN_PARTICIPANTS:
+            raise ValueError(
+                f"secure=True needs min_train_nodes >= {MIN_PARTICIPANTS} (a masked round of two would show each "
+                f"client the other's signs), got {min_train_nodes}"
+            )
+        return min_train_nodes, least if min_available_nodes is None else min_available_nodes
+
 
 @dataclass(frozen=True, kw_only=True)
 class Options:
-    """The five groups of options, and the checks that combine two of them.
+    """The six groups of options, and the checks that combine two of them.
 
     Raises
     ------
     ValueError
         The "sgd" client with an upload it cannot make, a decay that flips x's sign
         (``lr · weight_decay · local_steps`` ≥ 1), the anchored downlink with a scheduled rate or
-        with Δs that are not integers, or ``anchor_every`` out of the anchored counts' range.
+        with Δs that are not integers, ``anchor_every`` out of the anchored counts' range, or
+        secure aggregation of anything but 1-bit signs into an exact Δ, or with momentum sync.
 
     """
 
@@ -227,6 +299,7 @@ class Options:
     uplink: UplinkOptions = UplinkOptions()
     downlink: DownlinkOptions = DownlinkOptions()
     sync: SyncOptions = SyncOptions()
+    secure: SecureOptions = SecureOptions()
 
     def __post_init__(self) -> None:
         local, uplink, step, downlink = self.local, self.uplink, self.step, self.downlink
@@ -257,6 +330,23 @@ class Options:
                 f"anchor_every must be >= 1 with anchor_every * local_steps <= 2**20 (the counts' range), "
                 f"got {downlink.anchor_every} (local_steps={local.local_steps})"
             )
+        if self.secure.secure:
+            self._check_secure()
+
+    def _check_secure(self) -> None:
+        """Secure aggregation masks 1-bit signs and unmasks their counts: an exact Δ, no float uploads."""
+        uplink, sync = self.uplink, self.sync
+        if uplink.upload != "sign" or uplink.broadcast_bits:
+            raise ValueError(
+                "secure=True masks the 1-bit sign upload and broadcasts the exact Δ of its counts: it needs "
+                f"upload='sign' and broadcast_bits=0, got upload={uplink.upload!r}, "
+                f"broadcast_bits={uplink.broadcast_bits}"
+            )
+        if sync.momentum_sync_every:
+            raise ValueError(
+                f"secure=True uploads nothing but masked signs: momentum_sync_every={sync.momentum_sync_every} "
+                "would send each client's float32 momentum in the clear; use 0"
+            )
 
     @property
     def anchored(self) -> bool:
@@ -264,6 +354,33 @@ class Options:
         if self.downlink.downlink == "auto":
             return self.uplink.exact_vote and self.step.lr_schedule is None
         return self.downlink.downlink == "anchored"
+
+    def describe(self) -> list[str]:
+        """The lines the strategy's ``summary()`` logs: every option, the groups left at their defaults skipped."""
+        step, local, up, down, sync = self.step, self.local, self.uplink, self.downlink, self.sync
+        scheduled = " (scheduled)" if step.lr_schedule is not None else ""
+        lines = [
+            f"Distributed Lion: aggregation={up.aggregation}",
+            f"lr={step.lr:g}{scheduled} | weight_decay={step.weight_decay:g} | beta1={step.beta1:g} | "
+            f"beta2={step.beta2:g}",
+        ]
+        if local.local_steps > 1 or local.accumulate > 1 or up.upload != "sign":
+            lines.append(
+                f"local_steps={local.local_steps} ({local.local_optimizer}) | accumulate={local.accumulate} | "
+                f"upload={up.upload}"
+            )
+        if up.broadcast_bits or sync.momentum_sync_every or down.init_seed is not None:
+            layers = ",".join(sync.momentum_sync_layers) or "all"
+            lines.append(
+                f"broadcast_bits={up.broadcast_bits} | scale_block={up.scale_block} | "
+                f"server_momentum={up.server_momentum:g} | momentum_sync_every={sync.momentum_sync_every} "
+                f"(layers {layers}) | init_seed={down.init_seed}"
+            )
+        anchored = f"anchored (anchor every {down.anchor_every} rounds)" if self.anchored else "chain"
+        if self.secure.secure:
+            sec = self.secure
+            lines.append(f"secure aggregation: threshold={sec.secure_threshold:g} | degree={sec.secure_degree}")
+        return [*lines, f"downlink={anchored}"]
 
 
 class OptionAttribute:
@@ -283,7 +400,14 @@ class OptionAttribute:
         self.group = group
         self.name = ""
 
+    @classmethod
+    def group(cls, group: str, count: int) -> tuple[OptionAttribute, ...]:
+        """``count`` attributes of the options group ``group``, to unpack into the option names in a class body."""
+        return tuple(cls(group) for _ in range(count))
+
     def __set_name__(self, owner: type, name: str) -> None:
+        if self.name and self.name != name:
+            raise TypeError(f"one OptionAttribute cannot be both {self.name} and {name}")
         self.name = name
 
     def __get__(self, obj: Any, objtype: type | None = None) -> Any:

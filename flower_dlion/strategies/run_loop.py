@@ -99,11 +99,11 @@ def run_rounds(
     """Rounds ``start_round`` … ``num_rounds`` of ``strategy`` on ``grid`` (see ``ServerModelStrategy.start``).
 
     ``strategy`` is one of ours (a ``ServerModelStrategy``): besides Flower's ``Strategy`` methods
-    it has ``history`` (the rounds' metrics), ``query_timeout`` and ``num_rounds``.
+    it has ``history`` (the rounds' metrics), ``nodes`` (whose hellos wait ``timeout``) and ``num_rounds``.
     """
     log(INFO, "Starting %s strategy (rounds %d to %d):", type(strategy).__name__, start_round, num_rounds)
     strategy.summary()
-    strategy.query_timeout = timeout
+    strategy.nodes.query_timeout = timeout
     strategy.num_rounds = num_rounds
     result = DLionResult()
     t_start = time.time()

@@ -153,6 +153,15 @@ GROUPS: dict[str, Group] = {
                     "≤ 2²⁰"
                 ),
             ),
+            "secure": Key(
+                False,
+                (
+                    "secure aggregation: clients upload their signs under pairwise masks, ⌈log₂(n+1)⌉ bits a "
+                    "parameter; the server learns the counts, not one client's signs (GUIDE, Secure aggregation)"
+                ),
+            ),
+            "secure-threshold": Key(0.5, "share of a node's key holders whose shares recover its key after a dropout"),
+            "secure-degree": Key(0, "neighbours each client masks with (SecAgg+'s graph); 0: every other participant"),
         },
     ),
     "baselines": Group(
@@ -368,4 +377,7 @@ DLION_ONLY = (
     "init",
     "downlink",
     "anchor-every",
+    "secure",
+    "secure-threshold",
+    "secure-degree",
 )

@@ -1,0 +1,248 @@
+"""The nodes a strategy knows: greeted once per node id, known by their partition, sampled by round.
+
+Flower's node ids are random per run and new after a SuperNode restarts, so our strategies know
+a node by a *key*: the ``partition-id`` of its node config, or, without one, its node id. Each new
+node id gets one hello (a ``query.dlion`` message, ``protocol.HELLO``) and says in its answer which
+partition it trains on and which version of the model it holds; :class:`Nodes` keeps the two maps
+(node id ↔ key), the nodes refused for good, and samples the connected keys for a round with
+``numpy.random.default_rng([sample_seed, round])``: the same partitions in every run with the same
+seed, whatever the node ids, and after a resume. What a hello carries and how its answer is
+checked is the strategy's (:class:`HelloHooks`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from logging import INFO, WARNING
+from typing import Any, Protocol
+
+import numpy as np
+from flwr.app import ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.common.constant import SUPERLINK_NODE_ID
+from flwr.serverapp import Grid
+from flwr.supercore import log
+
+from ..params import LayoutError, ModelSpec
+from ..protocol import HELLO, HELLO_ACTION, RejectedReply, error_text
+from .run_stops import RunStopped, nodes_text, short_reason, whole_reason
+
+__all__ = ["HELLO_TYPE", "HelloHooks", "Nodes", "described_model"]
+
+HELLO_TYPE = f"{MessageType.QUERY}.{HELLO_ACTION}"
+
+_NO_CLIENT = (
+    "its ClientApp has no DLionClient to answer the hello: add `dlion = DLionClient(app, Net)` "
+    "to your client_app.py and call `dlion.train(msg, context, batches)` in its train handler"
+)
+
+
+def described_model(
+    node_id: int, record: ConfigRecord | MetricRecord, reference: ModelSpec | None, initial: dict[str, Any] | None
+) -> ModelSpec | None:
+    """The model a hello describes (``record["model"]``), checked; None for a hello without one.
+
+    The description must match ``reference`` (the federation's model, once known), else the
+    ``initial`` arrays (name by name, shape and dtype).
+
+    Raises
+    ------
+    RejectedReply
+        For good (``final``): the description cannot be read or does not match; the message names
+        the first differing tensor.
+
+    """
+    if "model" not in record:
+        return None
+    try:
+        spec = ModelSpec.decode(record["model"])  # type: ignore[arg-type]
+    except (ValueError, TypeError) as err:
+        raise RejectedReply(str(err), final=True) from err
+    try:
+        if reference is not None:
+            reference.check_same(spec, theirs=f"node {node_id}", ours="the server")
+        else:
+            assert initial is not None, "a hello before configure_train"
+            spec.check_arrays(initial)
+    except LayoutError as err:
+        why = f"its model does not match the {'federation' if reference else 'initial arrays'}: {err}"
+        raise RejectedReply(why, final=True) from err
+    return spec
+
+
+class HelloHooks(Protocol):
+    """What the strategy says in a hello and makes of its answer, and how many nodes it waits for."""
+
+    min_available_nodes: int
+
+    def _hello_config(self, server_round: int) -> ConfigRecord:
+        """What a hello carries."""
+
+    def _check_hello(self, node_id: int, record: ConfigRecord | MetricRecord) -> None:
+        """Raise :class:`RejectedReply` for an answer the strategy cannot work with."""
+
+    def _on_new_node(self, pid: int, node_id: int, version: int, previous: int | None) -> None:
+        """A node introduced itself (``previous``: the node id its key had before)."""
+
+
+class Nodes:
+    """The node registry of one strategy: who is connected, under which key, and who is sampled.
+
+    Parameters
+    ----------
+    hooks : HelloHooks
+        The strategy: what a hello carries, how its answer is checked, and the nodes to wait for
+        before any round samples (its ``min_available_nodes``).
+    reject : callable (node id, reason) -> None
+        Called with each failed hello (the strategy counts it towards stopping the run).
+
+    """
+
+    def __init__(self, hooks: HelloHooks, reject: Callable[[int, str], None]) -> None:
+        self.hooks = hooks
+        self.reject = reject
+        self.query_timeout = 600.0  # seconds to wait for the answers to a hello
+        self.forget()
+
+    def forget(self) -> None:
+        """Forget every node id (after a resume: the nodes say hello again)."""
+        self.pid_of: dict[int, int] = {}  # node id → its key (partition id, or its node id)
+        self.node_of: dict[int, int] = {}  # key → node id
+        self.refused: dict[int, str] = {}  # node id → why its hello was refused (not asked again)
+        self.greeted = False  # a node has answered a hello usefully in this process
+
+    def partition_of(self, node_id: int) -> int:
+        """The key a node is known by: its partition id, or its node id (-1 if unknown)."""
+        return self.pid_of.get(node_id, -1)
+
+    def reply_node(self, reply: Message, sent: Iterable[Message]) -> tuple[int, int]:
+        """The node a reply speaks for and its key (-1 if unknown).
+
+        A node's own reply: its sender. When a node stops heartbeating, the SuperLink answers
+        the message sent to it with an error of its own (sender ``SUPERLINK_NODE_ID``); that
+        reply is the node's, found by the message it answers (``reply_to_message_id``; the
+        Grid gave the sent messages their ids). The node's id is then forgotten, so that it is
+        greeted again (hello) when it reconnects: a SuperNode restarted under node
+        authentication keeps its id, but not its state.
+        """
+        node_id = reply.metadata.src_node_id
+        answered = reply.metadata.reply_to_message_id
+        if node_id == SUPERLINK_NODE_ID and answered:
+            for msg in sent:
+                if msg.metadata.message_id == answered:
+                    node_id = msg.metadata.dst_node_id
+                    pid = self.pid_of.pop(node_id, -1)
+                    if self.node_of.get(pid) == node_id:
+                        del self.node_of[pid]
+                    return node_id, pid
+        return node_id, self.partition_of(node_id)
+
+    def sample(
+        self, grid: Grid, server_round: int, fraction: float, minimum: int, seed: list[int], what: str
+    ) -> list[int]:
+        """Node ids of ``max(minimum, ⌊fraction · N⌋)`` of the N connected keys, drawn by ``default_rng(seed)``.
+
+        ``what`` names the sample in the log line ("configure_train", "configure_evaluate").
+        """
+        nodes = self.discover(grid, server_round)
+        pids = sorted(self.pid_of[n] for n in nodes)
+        k = min(len(pids), max(minimum, int(len(pids) * fraction)))
+        if k < len(pids):
+            pids = sorted(np.random.default_rng(seed).choice(pids, k, replace=False))
+        log(INFO, "%s: sampled %d nodes (out of %d)", what, len(pids), len(nodes))
+        return [self.node_of[int(p)] for p in pids]
+
+    def discover(self, grid: Grid, server_round: int) -> list[int]:
+        """Wait for ``min_available_nodes``; say hello to new node ids; the connected nodes we know.
+
+        Raises
+        ------
+        RunStopped
+            Before any node has answered a hello usefully, when every connected node has now
+            answered its hello with an error or a refusal (at least one of them an error: a
+            model that does not match is the strategy's to report).
+
+        """
+        connected, least = list(grid.get_node_ids()), self.hooks.min_available_nodes
+        while len(connected) < least:
+            why = "waiting for nodes: %d of %d connected (min_available_nodes; run config 'min-available-nodes')"
+            log(INFO, why, len(connected), least)
+            time.sleep(1.0)
+            connected = list(grid.get_node_ids())
+        new = [n for n in connected if n not in self.pid_of and n not in self.refused]
+        failed: dict[int, str] = {}  # node id → why its hello was rejected now
+        if new:
+            content = RecordDict({HELLO: self.hooks._hello_config(server_round)})
+            group = f"hello-{server_round}"
+            hellos = [Message(content=content, dst_node_id=n, message_type=HELLO_TYPE, group_id=group) for n in new]
+            for reply in grid.send_and_receive(hellos, timeout=self.query_timeout):
+                node_id, why = self._greet(reply, hellos, new, server_round)
+                if why is not None:
+                    failed[node_id] = why
+        known = [n for n in connected if self.pid_of.get(n) is not None and self.node_of[self.pid_of[n]] == n]
+        if new and not known and not self.greeted:
+            self._stop_if_no_hello_was_useful(connected, failed, server_round)
+        return known
+
+    def _stop_if_no_hello_was_useful(self, connected: list[int], failed: dict[int, str], server_round: int) -> None:
+        """Raise :class:`RunStopped` when every connected node's hello failed, one at least with an error."""
+        why_of = {n: failed.get(n, self.refused.get(n)) for n in connected}
+        if any(why is None for why in why_of.values()) or all(n in self.refused for n in failed):
+            return  # a node has not answered (the rounds count it), or the refusals are the strategy's to report
+        by_reason: dict[str, list[int]] = {}
+        for node_id, why in why_of.items():
+            by_reason.setdefault(str(why), []).append(node_id)
+        reasons = "; ".join(f"{nodes_text(nodes)}: {why}" for why, nodes in by_reason.items())
+        raise RunStopped(
+            f"no node answered the hello usefully (round {server_round}): {reasons}. Each node's ClientApp "
+            "answers the strategy's hello with its DLionClient (`DLionClient(app, Net)` registers the handler "
+            "for the query message): see the clients' logs for these errors",
+            server_round,
+        )
+
+    def _greet(
+        self, reply: Message, hellos: list[Message], new: list[int], server_round: int
+    ) -> tuple[int, str | None]:
+        """Take one answer to a hello: the node's key and version, or a logged refusal.
+
+        Returns the node's id and, for a refused hello, why (None when it was taken).
+        """
+        node_id, _ = self.reply_node(reply, hellos)
+        try:
+            key, version = self._read_hello(reply, node_id, new)
+        except (RejectedReply, KeyError, TypeError) as err:
+            if isinstance(err, RejectedReply) and err.final:
+                self.refused[node_id] = str(err)
+            log(WARNING, "round %d: rejected hello from node %d: %s", server_round, node_id, err)
+            reason = whole_reason(reply, err)
+            self.reject(node_id, f"hello: {reason}")
+            return node_id, short_reason(reason)
+        previous = self.node_of.get(key)
+        if previous is not None:
+            self.pid_of.pop(previous, None)
+        self.pid_of[node_id] = key
+        self.node_of[key] = node_id
+        self.greeted = True
+        self.hooks._on_new_node(key, node_id, version, previous)
+        return node_id, None
+
+    def _read_hello(self, reply: Message, node_id: int, new: list[int]) -> tuple[int, int]:
+        """The key and version an answer to a hello gives; :class:`RejectedReply` when it gives none."""
+        if reply.has_error() and f"No query function registered with name '{HELLO_ACTION}'" in reply.error.reason:
+            raise RejectedReply(_NO_CLIENT, final=True)
+        if reply.has_error():
+            raise RejectedReply(error_text(reply))
+        if node_id not in new:
+            raise RejectedReply("no hello was sent to this node")
+        record = reply.content[HELLO] if HELLO in reply.content else None
+        if not isinstance(record, (ConfigRecord, MetricRecord)):
+            raise RejectedReply(f"no '{HELLO}' record with the node's partition-id and version")
+        pid, version = record.get("partition-id"), record.get("version")
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= -1 for v in (pid, version)):
+            raise RejectedReply(f"partition-id {pid!r} / version {version!r} are not valid integers")
+        key = pid if pid >= 0 else node_id
+        owner = self.node_of.get(key)
+        if pid < 0 and owner is not None and owner != node_id:
+            raise RejectedReply(f"node id {node_id} is already the partition id of node {owner}")
+        self.hooks._check_hello(node_id, record)
+        return key, version
