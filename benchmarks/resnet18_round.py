@@ -72,8 +72,7 @@ def dlion_rounds(rounds: int, nodes: int, batch_size: int, secure: bool = False)
         return reply
 
     torch.manual_seed(0)
-    strategy = DistributedLion(lr=3e-4, weight_decay=0.5, secure=secure, min_train_nodes=3 if secure else 2,
-                               buffer_sync_every=0 if secure else 10)  # fmt: skip
+    strategy = DistributedLion(lr=3e-4, weight_decay=0.5, secure=secure)
     try:
         strategy.start(LocalGrid(app, nodes), ArrayRecord(Net().state_dict()), num_rounds=rounds)
     finally:

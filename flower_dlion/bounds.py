@@ -22,6 +22,11 @@ the **lower median** is the ⌈n/2⌉-th smallest (torch's ``median``; of two va
 
 The server's error feedback (``broadcast_bits``) only ever sees the clipped aggregate, and the
 integer uploads (signs, sums of K signs) are bounded by their levels.
+
+Under secure aggregation the server sees only sums, so the buffers are combined by their
+**mean** (:func:`buffer_moments`, :func:`mean_buffers`; a bound on each value, not a median:
+see docs/GUIDE.md, "Secure aggregation"), BatchNorm's variance pooled the same way with means:
+``μ = meanᵢ μᵢ``, ``σ² = meanᵢ σᵢ² + meanᵢ μᵢ² − μ²``.
 """
 
 from __future__ import annotations
@@ -33,7 +38,16 @@ import torch
 
 from .params import Entry, ModelSpec
 
-__all__ = ["clip_scales", "lower_median", "median", "median_momentum", "robust_buffers"]
+__all__ = [
+    "buffer_moments",
+    "clip_scales",
+    "lower_median",
+    "mean_buffers",
+    "median",
+    "median_momentum",
+    "moment_count",
+    "robust_buffers",
+]
 
 
 def lower_median(values: torch.Tensor) -> torch.Tensor:
@@ -90,6 +104,53 @@ def robust_buffers(spec: ModelSpec, uploads: Sequence[np.ndarray]) -> dict[str, 
         if e.name.endswith("running_var") and means is not None:
             values = values + (means - median(means)) ** 2  # within-client + between-client
         out[e.name] = _cast(median(values).numpy(), e).reshape(e.shape)
+    return out
+
+
+def _pairs(spec: ModelSpec) -> list[tuple[int, int, int]]:
+    """(offset of running_var, offset of its running_mean, size) in the flat buffers, for each BatchNorm pair."""
+    offsets, offset = {}, 0
+    for e in spec.buffers:
+        offsets[e.name] = (offset, e.size)
+        offset += e.size
+    return [
+        (offsets[name][0], offsets[mean][0], offsets[name][1])
+        for name in offsets
+        if name.endswith("running_var") and (mean := name.removesuffix("running_var") + "running_mean") in offsets
+    ]
+
+
+def buffer_moments(spec: ModelSpec, flat: np.ndarray) -> np.ndarray:
+    """A client's flat buffers followed by the squares of each BatchNorm running mean (float64).
+
+    What a client sums under secure aggregation, so that the mean of these gives the pooled
+    variance (:func:`mean_buffers`).
+    """
+    flat = np.asarray(flat, dtype=np.float64)
+    return np.concatenate([flat, *(flat[mean : mean + size] ** 2 for _, mean, size in _pairs(spec))])
+
+
+def moment_count(spec: ModelSpec) -> int:
+    """The length of :func:`buffer_moments`: the buffers, and once more each BatchNorm running mean."""
+    return spec.num_buffer_values + sum(size for _, _, size in _pairs(spec))
+
+
+def mean_buffers(spec: ModelSpec, moments: np.ndarray) -> dict[str, np.ndarray]:
+    """The server's buffers from the mean of the clients' :func:`buffer_moments`.
+
+    ``σ² = mean σᵢ² + mean μᵢ² − μ²`` for BatchNorm's running variance (the law of total variance,
+    at least 0), the mean for every other buffer; each cast to its dtype as :func:`robust_buffers` does.
+    """
+    flat = np.array(moments[: spec.num_buffer_values], dtype=np.float64)
+    extra = spec.num_buffer_values
+    for var, mean, size in _pairs(spec):
+        squares = moments[extra : extra + size]
+        flat[var : var + size] = np.maximum(flat[var : var + size] + squares - flat[mean : mean + size] ** 2, 0.0)
+        extra += size
+    out, offset = {}, 0
+    for e in spec.buffers:
+        out[e.name] = _cast(flat[offset : offset + e.size], e).reshape(e.shape)
+        offset += e.size
     return out
 
 

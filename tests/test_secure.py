@@ -20,6 +20,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordD
 
 from flower_dlion import DistributedLion
 from flower_dlion.clients.secure_client import answer_query, mask_upload
+from flower_dlion.params import ModelSpec
 from flower_dlion.protocol import SECURE, UPLOAD, ClientStateError
 from flower_dlion.secure import masking
 from flower_dlion.secure.shares import NodeKeys, open_share, recover_mask_key, seal_shares, threshold_for
@@ -28,6 +29,7 @@ from flower_dlion_app.local_grid import LocalGrid
 from flower_dlion_app.model import Net
 
 RUN = {"partitioner": "iid", "batch-size": 16}
+SPEC20 = ModelSpec.from_module(torch.nn.Linear(4, 4))  # 20 trainable values
 
 
 def planes_of(values: list[int], bits: int) -> np.ndarray:
@@ -126,7 +128,7 @@ def _client(me: int, peers: list[int]) -> tuple[Context, list[bytes]]:
     request = ConfigRecord({"state-key": "run", "epoch": 0, "me": me, "participants": peers, "mask-publics": publics,
                             "bits": masking.mask_bits(len(peers)), "degree": 0})  # fmt: skip
     signs = Array(dtype="bit", shape=(20,), stype="dlion.sign1", data=bytes(3))
-    mask_upload({"signs": signs}, request, context, 20, 5)
+    mask_upload({"signs": signs}, request, context, SPEC20, 5)
     return context, publics
 
 
@@ -182,7 +184,7 @@ def test_a_client_refuses_a_masking_request_it_cannot_trust(change: dict, reason
         request["mask-publics"] = [NodeKeys.generate().public_bytes()[0], *publics[1:]]
     signs = Array(dtype="bit", shape=(20,), stype="dlion.sign1", data=bytes(3))
     with pytest.raises(ClientStateError, match=reason):
-        mask_upload({"signs": signs}, ConfigRecord(request), context, 20, 6)
+        mask_upload({"signs": signs}, ConfigRecord(request), context, SPEC20, 6)
 
 
 def test_secure_arguments_that_cannot_work_fail_before_round_1() -> None:
@@ -344,3 +346,60 @@ def test_the_repository_app_runs_secure_from_its_run_config(tmp_path: Path) -> N
     assert [r["applied"] for r in rows[1:]] == [1, 1]
     context = grid.context(grid.node_ids[0])
     assert context.state["dlion.secure-keys"]["epoch"] == 0
+
+
+# ---------------------------------------------------------------- buffers (BatchNorm) under masks
+def test_buffer_moments_pool_batchnorm_variance_by_the_law_of_total_variance() -> None:
+    # Prepare: one BatchNorm of 2 channels; two clients: means (1, 0) and (3, 0), variances (1, 2) and (1, 4)
+    from flower_dlion.bounds import buffer_moments, mean_buffers, moment_count
+
+    spec = ModelSpec.from_module(torch.nn.BatchNorm1d(2))
+    a = np.array([1, 0, 1, 2, 5], dtype=np.float32)  # running_mean, running_var, num_batches_tracked
+    b = np.array([3, 0, 1, 4, 7], dtype=np.float32)
+    # Execute: the mean of the two clients' moments, as the server unmasks it
+    moments = (buffer_moments(spec, a) + buffer_moments(spec, b)) / 2
+    out = mean_buffers(spec, moments)
+    # Assert: μ = (2, 0); σ² = mean σ² + mean μ² − μ² = (1 + 5 − 4, 3 + 0 − 0) = (2, 3); the count rounded
+    assert moment_count(spec) == 7 and buffer_moments(spec, a).tolist() == [1, 0, 1, 2, 5, 1, 0]
+    assert out["running_mean"].tolist() == [2, 0] and out["running_var"].tolist() == [2, 3]
+    assert out["num_batches_tracked"].tolist() == 6 and out["num_batches_tracked"].dtype == np.int64
+
+
+def test_fixed_point_masks_cancel_and_give_the_mean() -> None:
+    # Prepare: three clients' values, pairwise buffer masks in Z_{2^64}
+    values = [np.array([0.5, -2.25, 1e5]), np.array([1.5, 0.25, -3.0]), np.array([-1.0, 1.0, 2.0])]
+    seeds = {(i, j): bytes([i, j]) * 16 for i in range(3) for j in range(i + 1, 3)}
+    masked = []
+    for i, v in enumerate(values):
+        fixed = masking.to_fixed(v)
+        for (p, q), seed in seeds.items():
+            if i in (p, q):
+                mask = masking.buffer_mask(seed, 4, 3)
+                fixed = fixed + mask if i == p else fixed - mask
+        masked.append(fixed)
+    # Execute
+    mean = masking.from_fixed_mean(sum(masked), 3)
+    # Assert: the mean to the fixed point's step (2⁻²⁶), each masked value far from its own
+    np.testing.assert_allclose(mean, np.mean(values, axis=0), atol=2**-25)
+    assert not np.allclose(masking.from_fixed_mean(masked[0], 1), values[0])
+
+
+def test_a_batchnorm_model_runs_secure_with_its_buffers_averaged_under_masks() -> None:
+    # Prepare: the BatchNorm model of tests/byom.py on 4 nodes, buffers synced every round
+    from . import byom
+
+    def run(secure: bool) -> DistributedLion:
+        torch.manual_seed(0)
+        strategy = DistributedLion(secure=secure, min_train_nodes=3, min_available_nodes=4, buffer_sync_every=1,
+                                   state_key=f"bn{int(secure)}")  # fmt: skip
+        strategy.start(LocalGrid(byom.app, 4), ArrayRecord(byom.ByomNet().state_dict()), num_rounds=2, timeout=5)
+        return strategy
+
+    plain, secure = run(False), run(True)
+    # Assert: the same x (each client keeps its own buffers); the server's BatchNorm statistics the
+    # clients' mean (plain: their median), close to each other and not the initial ones
+    assert torch.equal(plain.x, secure.x)
+    assert all(h["applied"] == 1 for h in secure.history)
+    server, median = secure.arrays()["bn.running_mean"].numpy(), plain.arrays()["bn.running_mean"].numpy()
+    assert not np.allclose(server, 0.0) and np.abs(server - median).max() < 0.5 * np.abs(median).max()
+    assert (secure.arrays()["bn.running_var"].numpy() > 0).all()

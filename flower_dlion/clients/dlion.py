@@ -327,8 +327,6 @@ class DLionClient:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(round_seed(seed, key, server_round, 1))  # the batches' shuffles, dropout
             arrays = upload_arrays(node, cfg, spec.sizes, work, gen, tamper, flips)
-        if SECURE in msg.content:  # the signs under the round's pairwise masks
-            arrays = mask_upload(arrays, msg.content[SECURE], context, spec.d, server_round)
         if sync:
             assert mask is not None
             arrays["momentum"] = to_array(here.placement.to_host(node.m[mask]))
@@ -337,6 +335,8 @@ class DLionClient:
             arrays["buffers"] = to_array(here.placement.buffers_to_host(node.rest, [e.name for e in spec.buffers]))
         if tamper is not None:
             arrays = tamper.arrays(arrays)
+        if SECURE in msg.content:  # the signs (and buffers) under the round's pairwise masks
+            arrays = mask_upload(arrays, msg.content[SECURE], context, spec, server_round)
         node.round = server_round
         metrics = ReplyMetrics(
             num_examples=work.num_examples,

@@ -26,6 +26,8 @@ from __future__ import annotations
 import numpy as np
 from flwr.app import Array, ConfigRecord, Context
 
+from ..bounds import buffer_moments
+from ..params import ModelSpec
 from ..protocol import MASKED_STYPE, STATE_KEY, ClientStateError
 from ..secure import masking
 from ..secure.masking import MIN_PARTICIPANTS, MIN_SURVIVORS
@@ -115,16 +117,21 @@ def _seal(request: ConfigRecord, run_key: str, context: Context) -> ConfigRecord
 
 
 def mask_upload(
-    arrays: dict[str, Array], request: ConfigRecord, context: Context, d: int, server_round: int
+    arrays: dict[str, Array], request: ConfigRecord, context: Context, spec: ModelSpec, server_round: int
 ) -> dict[str, Array]:
-    """The reply's arrays with the packed signs replaced by the masked planes (``"masked"``, b·⌈d/8⌉ bytes)."""
+    """The reply's arrays with the packed signs replaced by the masked planes (``"masked"``, b·⌈d/8⌉ bytes).
+
+    In a buffer round, the buffers too: their moments (:func:`flower_dlion.bounds.buffer_moments`)
+    as fixed point in Z_{2^64} under the same pairs' masks (``"masked-buffers"``), for their mean.
+    """
+    d = spec.d
     run_key = _run_key(request, context)
     epoch, me = int(_get(request, "epoch", int, context)), int(_get(request, "me", int, context))  # type: ignore[call-overload]
     peers = list(_get(request, "participants", int, context))  # type: ignore[call-overload]
     publics = list(_get(request, "mask-publics", bytes, context))  # type: ignore[call-overload]
     degree, bits = int(_get(request, "degree", int, context)), int(_get(request, "bits", int, context))  # type: ignore[call-overload]
-    if set(arrays) != {"signs"}:
-        raise _fail(context, f"masking needs the sign upload alone, the round uploads {sorted(arrays)}")
+    if set(arrays) - {"buffers"} != {"signs"}:
+        raise _fail(context, f"masking needs the sign upload (and buffers), the round uploads {sorted(arrays)}")
     if len(peers) != len(publics) or len(set(peers)) != len(peers) or me not in peers:
         raise _fail(context, "the participants must be distinct, include this node, one public mask key each")
     if len(peers) < MIN_PARTICIPANTS:
@@ -135,18 +142,24 @@ def mask_upload(
     public_of = dict(zip(peers, publics, strict=True))
     if public_of[me] != keys.public_bytes()[0]:
         raise _fail(context, "the server lists another public mask key for this node")
-    masks = []
+    seeds = []
     for peer in masking.neighbours(peers, me, degree, [server_round]):
         try:
-            seed = masking.pair_seed(keys.mask, public_of[peer], run_key)
+            seeds.append((1 if me < peer else -1, masking.pair_seed(keys.mask, public_of[peer], run_key)))
         except ValueError as err:
             raise _fail(context, f"node {peer}'s public mask key is not an X25519 key ({err})") from err
-        masks.append((1 if me < peer else -1, masking.round_mask(seed, server_round, d, bits)))
-    signs = np.frombuffer(arrays["signs"].data, dtype=np.uint8)
-    planes = masking.masked_planes(signs, d, bits, masks)
+    masks = [(sigma, masking.round_mask(seed, server_round, d, bits)) for sigma, seed in seeds]
+    planes = masking.masked_planes(np.frombuffer(arrays["signs"].data, dtype=np.uint8), d, bits, masks)
+    out = {"masked": Array(dtype="level", shape=(d,), stype=MASKED_STYPE, data=planes.tobytes())}
+    if "buffers" in arrays:
+        fixed = masking.to_fixed(buffer_moments(spec, arrays["buffers"].numpy()))
+        for sigma, seed in seeds:  # uint64 arithmetic wraps: mod 2⁶⁴
+            mask = masking.buffer_mask(seed, server_round, fixed.size)
+            fixed = fixed + mask if sigma > 0 else fixed - mask
+        out["masked-buffers"] = Array(dtype="uint64", shape=(fixed.size,), stype=MASKED_STYPE, data=fixed.tobytes())
     _remember_round(record, server_round, peers)
     context.state[KEYS_RECORD] = record
-    return {"masked": Array(dtype="level", shape=(d,), stype=MASKED_STYPE, data=planes.tobytes())}
+    return out
 
 
 def _remember_round(record: ConfigRecord, server_round: int, peers: list[int]) -> None:

@@ -30,10 +30,14 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 __all__ = [
+    "BUFFER_RANGE",
+    "BUFFER_SCALE",
     "MAX_BITS",
     "MIN_PARTICIPANTS",
     "MIN_SURVIVORS",
     "add_planes_",
+    "buffer_mask",
+    "from_fixed_mean",
     "mask_bits",
     "masked_planes",
     "neighbours",
@@ -43,11 +47,14 @@ __all__ = [
     "round_mask",
     "subtract_planes_",
     "sum_planes",
+    "to_fixed",
 ]
 
 MAX_BITS = 16  # b ≤ 16: up to 65 535 clients a round
 MIN_PARTICIPANTS = 3  # a masked round of two would show each client the other's signs (the sum minus its own)
 MIN_SURVIVORS = 2  # unmasking a round with one survivor would hand the server that node's signs
+BUFFER_RANGE = float(1 << 20)  # buffers are summed as fixed point in Z_{2^64}: each value clipped to ±2²⁰,
+BUFFER_SCALE = float(1 << 26)  # in steps of 2⁻²⁶; n < 2¹⁶ clients keep |Σ| < 2⁶² (no wrap)
 
 _MASK_INFO = b"flower-dlion mask v1"
 
@@ -185,3 +192,21 @@ def planes_bytes(acc: np.ndarray, d: int) -> np.ndarray:
     if d % 8:
         out[:, -1] &= (0xFF00 >> (d % 8)) & 0xFF
     return out
+
+
+def to_fixed(values: np.ndarray) -> np.ndarray:
+    """Floats as fixed point in Z_{2^64} (uint64, two's complement): clipped to ±``BUFFER_RANGE``, steps 2⁻²⁶."""
+    clipped = np.clip(np.asarray(values, dtype=np.float64), -BUFFER_RANGE, BUFFER_RANGE)
+    return np.rint(clipped * BUFFER_SCALE).astype(np.int64).view(np.uint64)
+
+
+def from_fixed_mean(total: np.ndarray, n: int) -> np.ndarray:
+    """The mean of n values from their fixed-point sum mod 2⁶⁴ (float64)."""
+    return total.view(np.int64).astype(np.float64) / (BUFFER_SCALE * n)
+
+
+def buffer_mask(seed: bytes, server_round: int, count: int) -> np.ndarray:
+    """A pair's mask of ``count`` values in Z_{2^64} for the round's buffers (a stream apart from the signs')."""
+    key = hashlib.sha256(seed + struct.pack("<Q", server_round) + b"buffers").digest()
+    stream = Cipher(algorithms.ChaCha20(key, bytes(16)), mode=None).encryptor().update(bytes(8 * count))
+    return np.frombuffer(stream, dtype=np.uint64)

@@ -25,13 +25,12 @@ from functools import cached_property
 from logging import WARNING
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, Message
 from flwr.supercore import log
 
 from .. import codec, quantizers
-from ..bounds import median_momentum, robust_buffers
+from ..bounds import mean_buffers, median_momentum, moment_count, robust_buffers
 from ..downlink import levels_to_signs
 from ..protocol import (
     CLIENT_STATE_ERROR,
@@ -52,7 +51,7 @@ from ..server_delta import Aggregator, choose_aggregator, counts_delta
 from ..uploads import Parsed, Shape, upload_kind
 from .common import CheckedReplies
 from .options import OptionAttribute, Options
-from .server_state import Broadcast, Round, ServerState, ValidReply
+from .server_state import Broadcast, Round, ServerState, Unmasked, ValidReply
 
 if TYPE_CHECKING:
     from .views import ModelView
@@ -150,7 +149,11 @@ class Uplink:
         """Array name → (stype or "", dtype, bytes) that a valid reply holds this round."""
         if self.options.secure.secure:  # b bit planes of the masked signs, b for the round's participants
             bits = masking.mask_bits(max(1, len(rnd.participants)))
-            return {"masked": (MASKED_STYPE, "level", bits * masking.plane_bytes(self.model.num_parameters))}
+            out = {"masked": (MASKED_STYPE, "level", bits * masking.plane_bytes(self.model.num_parameters))}
+            if rnd.buffer_sync:  # the buffers' moments in Z_{2^64} (bounds.buffer_moments)
+                assert self.model.spec is not None
+                out["masked-buffers"] = (MASKED_STYPE, "uint64", 8 * moment_count(self.model.spec))
+            return out
         out = self.kind.expected(self.shape)
         if rnd.momentum_sync:
             assert self.model.momentum_mask is not None
@@ -192,7 +195,8 @@ class Uplink:
                 resync=True,
             )
         momentum, buffers = floats.get("momentum"), floats.get("buffers")
-        return ValidReply(node_id, upload, momentum, buffers, values)
+        masked = record["masked-buffers"].data if "masked-buffers" in expected else None
+        return ValidReply(node_id, upload, momentum, buffers, values, masked)
 
     def _check_arrays(self, record: ArrayRecord, expected: dict[str, tuple[str, str, int]]) -> dict[str, torch.Tensor]:
         """Check each array of a reply against ``expected``; return its float32 ones (scales, momenta, buffers)."""
@@ -214,8 +218,9 @@ class Uplink:
                 raise RejectedReply(
                     f"Array {name!r} has stype {arr.stype!r} dtype {arr.dtype!r}, expected {stype!r} {dtype!r}"
                 )
-            if tuple(arr.shape) != (d,):
-                raise RejectedReply(f"Array {name!r} shape {tuple(arr.shape)}, expected {(d,)}")
+            shape = (nbytes // 8,) if dtype == "uint64" else (d,)  # masked buffers: one uint64 a value
+            if tuple(arr.shape) != shape:
+                raise RejectedReply(f"Array {name!r} shape {tuple(arr.shape)}, expected {shape}")
             if len(arr.data) != nbytes:
                 raise RejectedReply(f"Array {name!r} has {len(arr.data)} bytes, expected {nbytes} for d={d}")
         return floats
@@ -260,12 +265,13 @@ class Uplink:
 
     # ------------------------------------------------------------------ 3. apply
     def apply(
-        self, valid: list[ValidReply], rnd: Round, counts: RoundCounts, unmasked: np.ndarray | None = None
+        self, valid: list[ValidReply], rnd: Round, counts: RoundCounts, unmasked: Unmasked | None = None
     ) -> Applied:
         """Aggregate the valid replies into Δ and apply it to x; count the clipped scales in ``counts``.
 
         ``unmasked``: secure aggregation's counts of the replies' signs (bit planes), which then
-        give Δ (:func:`~flower_dlion.server_delta.counts_delta`) instead of the uploads.
+        give Δ (:func:`~flower_dlion.server_delta.counts_delta`) instead of the uploads, and in a
+        buffer round the mean of their buffers' moments (:func:`~flower_dlion.bounds.mean_buffers`).
 
         Also combines the round's momenta and buffers. Returns the share of tied coordinates, the
         agreement (mean |S| / (n·scale); NaN for ef-sign) and, for the chain downlink, the encoded
@@ -274,7 +280,7 @@ class Uplink:
         assert self.model.x is not None
         d, n = self.model.num_parameters, len(valid)
         if unmasked is not None:
-            update = counts_delta(unmasked, n, self.shape, how=self.aggregation)
+            update = counts_delta(unmasked.planes, n, self.shape, how=self.aggregation)
         else:
             update = self.aggregate_replies([r.upload for r in valid], self.shape, self.state)
         counts.clipped, scales = update.clipped, update.scales
@@ -294,7 +300,10 @@ class Uplink:
         agreement = update.sum_abs / (d * n * self.kind.agreement_scale(self.lion_steps))
         if rnd.momentum_sync:
             self.state.synced_momentum = median_momentum([r.momentum for r in valid if r.momentum is not None])
-        if rnd.buffer_sync:
+        if rnd.buffer_sync and unmasked is not None and unmasked.buffers is not None:
+            assert self.model.spec is not None
+            self.model.rest.update(mean_buffers(self.model.spec, unmasked.buffers))
+        elif rnd.buffer_sync:
             self._combine_buffers(valid)
         return Applied(update.ties / d, agreement, broadcast)
 

@@ -322,8 +322,6 @@ class DistributedLion(ServerModelStrategy):
     def _init_model(self, arrays: ArrayRecord, spec: ModelSpec | None = None) -> None:
         """Take x from the initial arrays; set up the momentum mask and the downlink (x₀'s checksum, the anchor)."""
         super()._init_model(arrays, spec)
-        if self.secure_rounds is not None:
-            self.secure_rounds.check_model(self.spec, self.buffer_sync_every)
         self._mask = layer_mask(self._layout, self.momentum_sync_layers)
         self.down.start()
 
@@ -404,7 +402,8 @@ class DistributedLion(ServerModelStrategy):
         outcome, unmasked = None, None
         if self.secure_rounds is not None and valid:  # the masked sum of the survivors, unmasked: the counts
             uploads = {self.partition_of(r.node_id): r.upload.data for r in valid}
-            unmasked = self.secure_rounds.unmask(self._grid, rnd, uploads, self.num_parameters)
+            buffers = {self.partition_of(r.node_id): r.masked_buffers for r in valid} if rnd.buffer_sync else None
+            unmasked = self.secure_rounds.unmask(self._grid, rnd, uploads, self.num_parameters, buffers)
             valid = valid if unmasked is not None else []
         if len(valid) >= self.min_replies:
             outcome = self.up.apply(valid, rnd, counts, unmasked)

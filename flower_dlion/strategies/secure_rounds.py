@@ -37,13 +37,12 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
-from ..params import ModelSpec
 from ..protocol import SECURE, error_text, message_bytes
 from ..secure import masking
 from ..secure.shares import SHARE_BYTES, recover_mask_key, threshold_for
 from .nodes import HELLO_TYPE
 from .options import SecureOptions
-from .server_state import Round
+from .server_state import Round, Unmasked
 
 __all__ = ["KeyedNode", "SecureRoundFailed", "SecureRounds"]
 
@@ -101,15 +100,6 @@ class SecureRounds:
             return []
         rnd.participants = sorted(ready.values())
         return list(ready.items())
-
-    def check_model(self, spec: ModelSpec | None, buffer_sync_every: int) -> None:
-        """Refuse (before round 1) a model whose buffers the run would upload in the clear."""
-        if buffer_sync_every and spec is not None and spec.buffers:
-            raise ValueError(
-                f"secure=True uploads nothing but masked signs, and the model has buffers (e.g. BatchNorm's "
-                f"statistics) that buffer_sync_every={buffer_sync_every} would upload in the clear: pass "
-                "buffer_sync_every=0 (each client keeps its own buffers; the server's stay the initial ones)"
-            )
 
     def _keyed(self, grid: Grid, nodes: dict[int, int], server_round: int) -> dict[int, int]:
         """Key the nodes that need it; the nodes (node id → key) with keys and sealed shares."""
@@ -208,42 +198,48 @@ class SecureRounds:
         return 0 if degree >= n - 1 else degree
 
     # ------------------------------------------------------------------ 3. unmask
-    def unmask(self, grid: Grid | None, rnd: Round, uploads: dict[int, bytes], d: int) -> np.ndarray | None:
+    def unmask(
+        self, grid: Grid | None, rnd: Round, uploads: dict[int, bytes], d: int, buffers: dict[int, bytes] | None = None
+    ) -> Unmasked | None:
         """The counts' bit planes (b, ⌈d/8⌉) of the survivors' uploads (partition key → masked planes).
 
+        ``buffers`` (a buffer round: partition key → masked buffer moments): their mean too.
         None, logged with the reason (:class:`SecureRoundFailed`'s), when the sum cannot be unmasked:
         fewer than 2 survivors, or a dropped node's key that cannot be recovered (too few holders
         answered, or their shares do not give its public key). The round then applies no update.
         """
         assert grid is not None
         try:
-            return self._unmask(grid, rnd.server_round, rnd.participants, uploads, d)
+            return self._unmask(grid, rnd.server_round, rnd.participants, uploads, d, buffers)
         except SecureRoundFailed as err:
             log(WARNING, "round %d: %s; x unchanged", rnd.server_round, err)
             return None
 
     def _unmask(
-        self, grid: Grid, server_round: int, participants: list[int], uploads: dict[int, bytes], d: int
-    ) -> np.ndarray:
+        self, grid: Grid, t: int, participants: list[int], uploads: dict[int, bytes], d: int,
+        buffers: dict[int, bytes] | None,
+    ) -> Unmasked:  # fmt: skip
         """:meth:`unmask`, raising :class:`SecureRoundFailed`."""
         bits = masking.mask_bits(len(participants))
         survivors, dropped = sorted(uploads), sorted(set(participants) - set(uploads))
         if len(survivors) < masking.MIN_SURVIVORS:
             raise SecureRoundFailed(f"{len(survivors)} survivor(s) of {len(participants)}: nothing can be unmasked")
         acc = masking.sum_planes([np.frombuffer(uploads[k], dtype=np.uint8) for k in survivors], d, bits)
-        if dropped:
-            keys = self._recover(grid, server_round, participants, survivors, dropped)
-            graph = [server_round]
-            for v in dropped:
-                for u in masking.neighbours(participants, v, self._degree(len(participants)), graph):
-                    if u not in uploads:
-                        continue
+        fixed = None if buffers is None else sum(np.frombuffer(buffers[k], dtype=np.uint64) for k in survivors)
+        keys = self._recover(grid, t, participants, survivors, dropped) if dropped else {}
+        for v in dropped:  # survivor u added +M if u < v, −M otherwise: take it off
+            for u in masking.neighbours(participants, v, self._degree(len(participants)), [t]):
+                if u in uploads:
                     seed = masking.pair_seed(keys[v], self.keyed[u].mask_public, self.run_key())
-                    mask = masking.round_mask(seed, server_round, d, bits)
-                    masking.add_planes_(acc, mask, subtract=u < v)  # u added +M if u < v, −M otherwise
-                del self.keyed[v]  # its key is known now: new keys before it masks again
-            log(INFO, "round %d: unmasked without %s (their keys recovered from shares)", server_round, dropped)
-        return masking.planes_bytes(acc, d)
+                    masking.add_planes_(acc, masking.round_mask(seed, t, d, bits), subtract=u < v)
+                    if fixed is not None:
+                        mask = masking.buffer_mask(seed, t, fixed.size)
+                        fixed = fixed - mask if u < v else fixed + mask
+            del self.keyed[v]  # its key is known now: new keys before it masks again
+        if dropped:
+            log(INFO, "round %d: unmasked without %s (their keys recovered from shares)", t, dropped)
+        mean = None if fixed is None else masking.from_fixed_mean(np.asarray(fixed, dtype=np.uint64), len(survivors))
+        return Unmasked(masking.planes_bytes(acc, d), mean)
 
     def _recover(
         self, grid: Grid, server_round: int, participants: list[int], survivors: list[int], dropped: list[int]

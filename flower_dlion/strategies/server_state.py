@@ -12,6 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..downlink import AnchoredHistory
@@ -100,6 +101,14 @@ class Round:
     participants: list[int] = field(default_factory=list)  # secure aggregation: the keys masking together
 
 
+@dataclass(frozen=True)
+class Unmasked:
+    """What secure aggregation's unmasking gives: the counts' bit planes and, in a buffer round, the moments' mean."""
+
+    planes: np.ndarray  # (b, ⌈d/8⌉) uint8: bit j of each coordinate's count of +1 signs
+    buffers: np.ndarray | None = None  # the mean of the replies' bounds.buffer_moments, float64
+
+
 @dataclass
 class ValidReply:
     """One client reply that passed its checks, parsed."""
@@ -109,3 +118,4 @@ class ValidReply:
     momentum: torch.Tensor | None  # momentum-sync round: the client's momentum of the synced layers
     buffers: torch.Tensor | None  # buffer round: the client's buffers, flat float32
     values: dict[str, float]
+    masked_buffers: bytes | None = None  # secure buffer round: the buffers' moments, fixed point, masked

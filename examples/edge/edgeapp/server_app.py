@@ -23,7 +23,6 @@ def main(grid: Grid, context: Context) -> None:
         min_available_nodes=cfg["min-available-nodes"],
         min_train_nodes=cfg["min-train-nodes"],
         secure=cfg["secure"],
-        buffer_sync_every=0 if cfg["secure"] else 10,  # secure: BatchNorm statistics are not uploaded in the clear
     )
     try:
         test = load_fashion_mnist()
