@@ -39,6 +39,7 @@ __all__ = [
 ]
 
 Aggregation = Literal["vote", "mean"]
+Perturb = Callable[[torch.Tensor], object]  # in place: v ← v + σ·ξ before a sign (flower_dlion.stochastic)
 
 
 def direction(m: torch.Tensor, g: torch.Tensor, beta1: float) -> torch.Tensor:
@@ -51,9 +52,24 @@ def update_momentum_(m: torch.Tensor, g: torch.Tensor, beta2: float) -> torch.Te
     return m.mul_(beta2).add_(g, alpha=1.0 - beta2)  # slower EMA than the one used for δ
 
 
-def local_step_(m: torch.Tensor, g: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
-    """A worker's part of one round: returns δ and updates ``m`` in place (after δ)."""
-    delta = direction(m, g, beta1)  # δ from the old momentum
+def local_step_(
+    m: torch.Tensor,
+    g: torch.Tensor,
+    beta1: float,
+    beta2: float,
+    perturb: Callable[[torch.Tensor], object] | None = None,
+) -> torch.Tensor:
+    """A worker's part of one round: returns δ and updates ``m`` in place (after δ).
+
+    ``perturb``: in place on the mix c = β₁·m + (1−β₁)·g before its sign (a stochastic sign,
+    δ = sign(c + σ·ξ): :mod:`flower_dlion.stochastic`); None: the deterministic sign.
+    """
+    if perturb is None:
+        delta = direction(m, g, beta1)  # δ from the old momentum
+    else:
+        mix = m.mul(beta1).add_(g, alpha=1.0 - beta1)
+        perturb(mix)
+        delta = mix.sign_()
     update_momentum_(m, g, beta2)  # then move the momentum
     return delta
 
@@ -100,16 +116,18 @@ def local_steps_(
     weight_decay: float,
     beta1: float,
     beta2: float,
+    perturb: Perturb | None = None,
 ) -> torch.Tensor:
     """K local Lion steps (FedLion's client), in place on ``x`` and ``m``.
 
     ``gradient(x, k)`` returns the gradient at ``x`` for step ``k``. Returns the integer sum
     of the K directions ``U = Σₖ δₖ`` (float32 values in ``[−K, K]``). The last step's
     update is not applied to ``x``: the server's broadcast replaces the local copy.
+    ``perturb``: each step's stochastic sign (:func:`local_step_`).
     """
     total = None
     for k in range(steps):
-        delta = local_step_(m, gradient(x, k), beta1, beta2)  # δₖ from mₖ, then mₖ₊₁
+        delta = local_step_(m, gradient(x, k), beta1, beta2, perturb)  # δₖ from mₖ, then mₖ₊₁
         if k + 1 < steps:
             apply_update_(x, delta, lr, weight_decay)  # move the local copy
         total = delta if total is None else total.add_(delta)  # U += δₖ (δ₀'s buffer holds U)

@@ -29,7 +29,7 @@ SignSGD and other Gradient Compression Schemes", ICML 2019; S. Ishikawa et al.,
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -187,14 +187,23 @@ def apply_delta_(
 
 
 def ef_quantize_(
-    v: torch.Tensor, error: torch.Tensor, sizes: Sequence[int], num_levels: int
+    v: torch.Tensor,
+    error: torch.Tensor,
+    sizes: Sequence[int],
+    num_levels: int,
+    perturb: Callable[[torch.Tensor], object] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``v + error`` and keep what was lost in ``error`` (in place).
 
     Returns the ``(levels, scales)`` of :func:`quantize`; afterwards
-    ``error = v + error_before − dequantize(levels, …)``.
+    ``error = v + error_before − dequantize(levels, …)``. ``perturb`` (2 levels only): the signs
+    are those of ``w + σ·ξ`` (:mod:`flower_dlion.stochastic`), the scales still mean |w|.
     """
     w = v.float() + error  # add what earlier rounds did not send
     levels, scales = quantize(w, sizes, num_levels)
+    if perturb is not None:
+        if num_levels != 2:
+            raise ValueError(f"a stochastic sign needs 2 levels, got {num_levels}")
+        levels = (perturb(w.clone()) >= 0).to(torch.int32)  # type: ignore[operator]
     error.copy_(w - dequantize(levels, num_levels, scales, sizes))  # remember this round's loss
     return levels, scales

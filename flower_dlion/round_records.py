@@ -38,6 +38,7 @@ from .protocol import (
     RejectedReply,
     read_metrics,
 )
+from .stochastic import NOISE_KINDS, NOISE_LIMIT
 from .uploads import UPLOADS
 
 __all__ = ["ALWAYS", "MAX_BATCHES", "PROXIMAL_LIMIT", "SCALE_BLOCK_LIMIT", "ReplyMetrics", "RoundConfig", "hello_keys"]
@@ -78,6 +79,9 @@ class RoundConfig:
         One of :data:`flower_dlion.uploads.UPLOADS`.
     scale_block : int
         In [0, 2**31].
+    sign_noise, sign_noise_kind : float, str
+        τ of the stochastic signs in [0, 100] (0: deterministic), "uniform" or "gaussian"
+        (:mod:`flower_dlion.stochastic`).
     momentum_sync, buffers : bool
         Upload the momentum / the buffers this round.
     momentum_sync_layers : str
@@ -105,6 +109,8 @@ class RoundConfig:
     stale_momentum: str = "keep"
     upload: str = "sign"
     scale_block: int = 0
+    sign_noise: float = 0.0
+    sign_noise_kind: str = "uniform"
     momentum_sync: bool = False
     buffers: bool = False
     momentum_sync_layers: str = ""
@@ -140,6 +146,8 @@ class RoundConfig:
             stale_momentum=r.choice("stale-momentum", "keep", ("keep", "decay", "reset")),
             upload=r.choice("upload", "sign", tuple(UPLOADS)),
             scale_block=r.int("scale-block", 0, low=0, high=SCALE_BLOCK_LIMIT),
+            sign_noise=r.float("sign-noise", 0.0, low=0.0, high=NOISE_LIMIT),
+            sign_noise_kind=r.choice("sign-noise-kind", "uniform", NOISE_KINDS),
             momentum_sync=r.flag("momentum-sync"),
             buffers=r.flag("buffers"),
             momentum_sync_layers=r.text("momentum-sync-layers", ""),

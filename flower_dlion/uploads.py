@@ -26,6 +26,7 @@ from flwr.app import Array
 
 from . import codec, quantizers
 from .bounds import clip_scales
+from .lion import Perturb
 from .protocol import LEVELS_STYPE, SIGN_STYPE, RejectedReply, bits_array
 
 __all__ = ["UPLOADS", "EfSignUpload", "Parsed", "Shape", "SignUpload", "SumUpload", "Upload", "upload_kind"]
@@ -62,9 +63,19 @@ class Upload:
         return {"signs": (SIGN_STYPE, "bit", codec.packed_size(shape.d))}
 
     def encode(
-        self, u: torch.Tensor, error: torch.Tensor | None, shape: Shape, generator: torch.Generator, flips: list[int]
+        self,
+        u: torch.Tensor,
+        error: torch.Tensor | None,
+        shape: Shape,
+        generator: torch.Generator,
+        flips: list[int],
+        perturb: Perturb | None = None,
     ) -> tuple[dict[str, Array], torch.Tensor | None]:
-        """The reply's arrays for U, and the client's error state after it (``None``: none kept)."""
+        """The reply's arrays for U, and the client's error state after it (``None``: none kept).
+
+        ``perturb``: the stochastic sign of the ef-sign upload (:mod:`flower_dlion.stochastic`); the
+        sign upload's noise is in its Lion steps, so the other kinds take none.
+        """
         raise NotImplementedError
 
     def parse(self, data: bytes, floats: dict[str, torch.Tensor], shape: Shape) -> Parsed:
@@ -91,7 +102,13 @@ class SignUpload(Upload):
     name = "sign"
 
     def encode(
-        self, u: torch.Tensor, error: torch.Tensor | None, shape: Shape, generator: torch.Generator, flips: list[int]
+        self,
+        u: torch.Tensor,
+        error: torch.Tensor | None,
+        shape: Shape,
+        generator: torch.Generator,
+        flips: list[int],
+        perturb: Perturb | None = None,
     ) -> tuple[dict[str, Array], torch.Tensor | None]:
         """sign(U) packed, 8 per byte."""
         packed = codec.pack_signs(u, generator=generator, flips=flips)
@@ -114,7 +131,13 @@ class SumUpload(Upload):
         return {"levels": (LEVELS_STYPE, "level", codec.encoded_size(shape.d, 2 * shape.steps + 1))}
 
     def encode(
-        self, u: torch.Tensor, error: torch.Tensor | None, shape: Shape, generator: torch.Generator, flips: list[int]
+        self,
+        u: torch.Tensor,
+        error: torch.Tensor | None,
+        shape: Shape,
+        generator: torch.Generator,
+        flips: list[int],
+        perturb: Perturb | None = None,
     ) -> tuple[dict[str, Array], torch.Tensor | None]:
         """U + K as 2K + 1 levels."""
         levels = (u + shape.steps).to(torch.int32)  # U ∈ [−K, K] → 0 … 2K
@@ -151,12 +174,18 @@ class EfSignUpload(Upload):
         return super().expected(shape) | {"scales": ("numpy.ndarray", "float32", 4 * len(shape.sizes))}
 
     def encode(
-        self, u: torch.Tensor, error: torch.Tensor | None, shape: Shape, generator: torch.Generator, flips: list[int]
+        self,
+        u: torch.Tensor,
+        error: torch.Tensor | None,
+        shape: Shape,
+        generator: torch.Generator,
+        flips: list[int],
+        perturb: Perturb | None = None,
     ) -> tuple[dict[str, Array], torch.Tensor | None]:
         """sign(U + e) packed, the per-tensor scales, and e ← U + e − what was sent."""
         if error is None:
             error = torch.zeros_like(u)
-        levels, scales = quantizers.ef_quantize_(u, error, shape.sizes, 2)  # scaled sign of U + e; e ← rest
+        levels, scales = quantizers.ef_quantize_(u, error, shape.sizes, 2, perturb)  # scaled sign of U + e; e ← rest
         arrays = {
             "signs": bits_array(codec.pack_bits(levels > 0), u.numel(), SIGN_STYPE),
             "scales": Array(scales.cpu().numpy().astype(np.float32)),

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, RecordDict
 
-from .. import codec, lion, quantizers
+from .. import codec, lion, quantizers, stochastic
 from ..params import Binding, LossFn, layer_mask
 from ..protocol import MOMENTUM, SIGN_STYPE, bits_array, sync_prefixes
 from ..round_records import PROXIMAL_LIMIT, RoundConfig
@@ -155,6 +155,7 @@ def upload_arrays(
     steps, upload, beta1, beta2 = cfg.local_steps, cfg.upload, cfg.beta1, cfg.beta2
     sizes = quantizers.scale_blocks(sizes, cfg.scale_block)
     gradient = work.gradient
+    perturb = stochastic.perturber(sizes, cfg.sign_noise, cfg.sign_noise_kind, gen)  # None: deterministic signs
     mu = cfg.local_proximal_mu
     if mu:  # drift control: each local gradient gains μ·(x_local − x), x the round's replica
         gradient = lambda xk, k: work.gradient(xk, k).add_(xk - x, alpha=mu)  # noqa: E731
@@ -163,10 +164,10 @@ def upload_arrays(
         if upload == "ef-sign":  # g itself, a scaled sign with error feedback (FedAvg's update, compressed)
             if tamper is not None:
                 g = tamper.upload(g, gen)
-            arrays, state.error = UPLOADS[upload].encode(g, state.error, Shape(d, sizes, 1), gen, flips)
+            arrays, state.error = UPLOADS[upload].encode(g, state.error, Shape(d, sizes, 1), gen, flips, perturb)
             return arrays
         steps, gradient = 1, lambda x, k: g  # FedSMU's client: one Lion step on g
-    if steps == 1 and upload == "sign" and tamper is None:  # one fused pass over m and g
+    if steps == 1 and upload == "sign" and tamper is None and perturb is None:  # one fused pass over m and g
         packed = codec.pack_local_step_(state.m, gradient(x, 0), beta1, beta2, gen, flips=flips)
         return {"signs": bits_array(packed, d, SIGN_STYPE)}
     x_local = x if steps == 1 else x.clone()  # K = 1 never moves x (see local_steps_)
@@ -179,10 +180,12 @@ def upload_arrays(
         weight_decay=cfg.local_weight_decay,
         beta1=beta1,
         beta2=beta2,
+        perturb=perturb if upload == "sign" else None,  # the sign upload: each step's sign stochastic
     )
     if tamper is not None:
         u = tamper.upload(u, gen)
-    arrays, state.error = UPLOADS[upload].encode(u, state.error, Shape(d, sizes, steps), gen, flips)
+    noise = perturb if upload == "ef-sign" else None  # ef-sign: the sign of U + e
+    arrays, state.error = UPLOADS[upload].encode(u, state.error, Shape(d, sizes, steps), gen, flips, noise)
     return arrays
 
 

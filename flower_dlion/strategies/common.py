@@ -427,6 +427,15 @@ class ServerModelStrategy(Strategy):
         self.history = [dict(h) for h in state.get("history", [])]
         self._failures = FailedRounds(self.max_failed_rounds, self.min_replies)
 
+    def summary(self) -> None:
+        """Log the strategy's options (their ``describe()`` lines, where it has ``options``) and its sampling."""
+        if (options := getattr(self, "options", None)) is not None:
+            first, *rest = options.describe()
+            log(INFO, "\t├──> %s", first)
+            for line in rest:
+                log(INFO, "\t│\t└──%s", line)
+        self._log_sampling()
+
     def _log_sampling(self) -> None:
         """The sampling line of ``summary()``."""
         log(

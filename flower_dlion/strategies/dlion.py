@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable, Iterable, Sequence
-from logging import INFO, WARNING
+from logging import WARNING
 from typing import Any, Literal
 
 import torch
@@ -169,6 +169,11 @@ class DistributedLion(ServerModelStrategy):
         behind; needs a vote with exact broadcast). "chain": the missed Δs. "auto": anchored if it can.
     anchor_every : int (default: 200)
         Rounds between anchors (``xₐ ← x``, C ← 0) of the anchored downlink.
+    sign_noise : float (default: 0.0)
+        τ of stochastic signs: the Lion steps' (or the ef-sign upload's) sign of ``v + τ·mean|v|·ξ``
+        per tensor (:mod:`~flower_dlion.stochastic`: less bias under skew, more variance); 0: none.
+    sign_noise_kind : {"uniform", "gaussian"} (default: "uniform")
+        The distribution of ξ.
     secure : bool (default: False)
         Secure aggregation (:mod:`~.secure_rounds`; docs/GUIDE.md, "Secure aggregation"): clients
         upload their signs under pairwise masks, b = ⌈log₂(n+1)⌉ bits a parameter; the server learns
@@ -200,7 +205,9 @@ class DistributedLion(ServerModelStrategy):
     local_steps, local_optimizer, local_lr, local_proximal_mu, stale_momentum, accumulate = OptionAttribute.group(
         "local", 6
     )  # fmt: skip
-    aggregation, upload, broadcast_bits, server_momentum, scale_block = OptionAttribute.group("uplink", 5)
+    aggregation, upload, broadcast_bits, server_momentum, scale_block, sign_noise, sign_noise_kind = (
+        OptionAttribute.group("uplink", 7)
+    )
     downlink, anchor_every, max_history_bytes, init_seed = OptionAttribute.group("downlink", 4)
     momentum_sync_every, momentum_sync_layers, buffer_sync_every = OptionAttribute.group("sync", 3)
     secure, secure_threshold, secure_degree = OptionAttribute.group("secure", 3)
@@ -240,6 +247,8 @@ class DistributedLion(ServerModelStrategy):
         state_key: str = "",
         downlink: Literal["auto", "anchored", "chain"] = "auto",
         anchor_every: int = 200,
+        sign_noise: float = 0.0,
+        sign_noise_kind: Literal["uniform", "gaussian"] = "uniform",
         secure: bool = False,
         secure_threshold: float = 0.5,
         secure_degree: int = 0,
@@ -249,7 +258,8 @@ class DistributedLion(ServerModelStrategy):
             local=LocalOptions(local_steps=local_steps, local_optimizer=local_optimizer, local_lr=local_lr,
                 local_proximal_mu=local_proximal_mu, stale_momentum=stale_momentum, accumulate=accumulate),
             uplink=UplinkOptions(aggregation=aggregation, upload=upload, broadcast_bits=broadcast_bits,
-                server_momentum=server_momentum, scale_block=scale_block),
+                server_momentum=server_momentum, scale_block=scale_block, sign_noise=sign_noise,
+                sign_noise_kind=sign_noise_kind),
             downlink=DownlinkOptions(downlink=downlink, anchor_every=anchor_every, max_history_bytes=max_history_bytes,
                 init_seed=init_seed),
             sync=SyncOptions(momentum_sync_every=momentum_sync_every, momentum_sync_layers=momentum_sync_layers,
@@ -310,14 +320,6 @@ class DistributedLion(ServerModelStrategy):
     def version(self) -> int:
         """The number of Δs applied to x since the start."""
         return self.state.version
-
-    def summary(self) -> None:
-        """Log the strategy's configuration (:meth:`Options.describe`) and its sampling."""
-        first, *rest = self.options.describe()
-        log(INFO, "\t├──> %s", first)
-        for line in rest:
-            log(INFO, "\t│\t└──%s", line)
-        self._log_sampling()
 
     def _init_model(self, arrays: ArrayRecord, spec: ModelSpec | None = None) -> None:
         """Take x from the initial arrays; set up the momentum mask and the downlink (x₀'s checksum, the anchor)."""

@@ -154,6 +154,8 @@ class Downlink:
             stale_momentum=self.stale_momentum,
             upload=self.upload,
             scale_block=self.scale_block,
+            sign_noise=self.options.uplink.sign_noise,
+            sign_noise_kind=self.options.uplink.sign_noise_kind,
             momentum_sync=rnd.momentum_sync,
             buffers=rnd.buffer_sync,
             momentum_sync_layers=",".join(self.momentum_sync_layers) if self.momentum_sync_every else "",

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ..secure.masking import MIN_PARTICIPANTS
+from ..stochastic import NOISE_KINDS, NOISE_LIMIT
 from ..uploads import upload_kind
 from .common import check_common_args
 
@@ -140,7 +141,8 @@ class UplinkOptions:
     ValueError
         An unknown aggregation or upload, ``broadcast_bits`` outside [0, 8], ``server_momentum``
         outside [0, 1) or with an exact broadcast, a negative ``scale_block`` or one without
-        scales, or ef-sign uploads averaged into an exact broadcast (it has no exact form).
+        scales, ef-sign uploads averaged into an exact broadcast (it has no exact form), or a
+        ``sign_noise`` outside [0, 100], of an unknown kind, or with the sum upload.
 
     """
 
@@ -149,8 +151,11 @@ class UplinkOptions:
     broadcast_bits: int = 0
     server_momentum: float = 0.0
     scale_block: int = 0
+    sign_noise: float = 0.0
+    sign_noise_kind: Literal["uniform", "gaussian"] = "uniform"
 
     def __post_init__(self) -> None:
+        self._check_noise()
         if self.aggregation not in ("vote", "mean"):
             raise ValueError(f"aggregation must be 'vote' or 'mean', got {self.aggregation!r}")
         upload_kind(self.upload)  # ValueError naming the choices
@@ -173,6 +178,16 @@ class UplinkOptions:
             )
         if self.upload == "ef-sign" and self.aggregation == "mean" and bits == 0:
             raise ValueError("upload='ef-sign' with aggregation='mean' needs broadcast_bits >= 1 (no exact form)")
+
+    def _check_noise(self) -> None:
+        """τ in [0, 100] for the signs (of the Lion steps or the ef-sign upload), a known noise kind."""
+        tau, kind = self.sign_noise, self.sign_noise_kind
+        if not (math.isfinite(tau) and 0.0 <= tau <= NOISE_LIMIT):
+            raise ValueError(f"sign_noise must be in [0, {NOISE_LIMIT:g}] (0: deterministic signs), got {tau}")
+        if kind not in NOISE_KINDS:
+            raise ValueError(f"sign_noise_kind must be one of {NOISE_KINDS}, got {kind!r}")
+        if tau and self.upload == "sum":
+            raise ValueError(f"sign_noise={tau} perturbs signs: upload='sign' or 'ef-sign', got upload='sum'")
 
     @property
     def exact_vote(self) -> bool:
@@ -377,6 +392,8 @@ class Options:
                 f"(layers {layers}) | init_seed={down.init_seed}"
             )
         anchored = f"anchored (anchor every {down.anchor_every} rounds)" if self.anchored else "chain"
+        if up.sign_noise:
+            lines.append(f"stochastic signs: sign_noise={up.sign_noise:g} ({up.sign_noise_kind})")
         if self.secure.secure:
             sec = self.secure
             lines.append(f"secure aggregation: threshold={sec.secure_threshold:g} | degree={sec.secure_degree}")

@@ -123,6 +123,16 @@ def _check_ranges(cfg: dict[str, Any]) -> None:
         raise ValueError(f"run-config 'checkpoint-every' must be >= 0 (0: never), got {cfg['checkpoint-every']}")
     if not 0.0 <= cfg["server-momentum"] < 1.0:
         raise ValueError(f"run-config 'server-momentum' must be in [0, 1), got {cfg['server-momentum']}")
+    if not (math.isfinite(cfg["sign-noise"]) and 0.0 <= cfg["sign-noise"] <= 100.0):
+        raise ValueError(
+            f"run-config 'sign-noise' must be in [0, 100] (0: deterministic signs), got {cfg['sign-noise']}"
+        )
+    if not 0.0 < cfg["secure-threshold"] <= 1.0:
+        raise ValueError(f"run-config 'secure-threshold' must be in (0, 1], got {cfg['secure-threshold']}")
+    if cfg["secure-degree"] < 0:
+        raise ValueError(
+            f"run-config 'secure-degree' must be >= 0 (0: every other participant), got {cfg['secure-degree']}"
+        )
 
 
 def _check_data(cfg: dict[str, Any]) -> None:
@@ -175,6 +185,10 @@ def _check_algorithm(cfg: dict[str, Any]) -> None:
             f"run-config 'anchor-every' × 'local-steps' must be <= 2**20 (the counts' range), got "
             f"{cfg['anchor-every']} × {cfg['local-steps']}"
         )
+    if cfg["sign-noise"] and cfg["upload"] == "sum":
+        raise ValueError("run-config 'sign-noise' perturbs signs: 'upload' must be 'sign' or 'ef-sign', got 'sum'")
+    if cfg["secure"] and cfg["min-train-nodes"] < 3:
+        raise ValueError(f"run-config 'secure' needs 'min-train-nodes' >= 3, got {cfg['min-train-nodes']}")
     if cfg["server-momentum"] and not cfg["broadcast-bits"]:
         raise ValueError(
             "run-config 'server-momentum' needs 'broadcast-bits' >= 1: the momentum step is quantized for the "

@@ -115,6 +115,14 @@ GROUPS: dict[str, Group] = {
                     "instead of one per tensor"
                 ),
             ),
+            "sign-noise": Key(
+                0.0,
+                (
+                    "D-Lion family, `upload` = `sign` or `ef-sign`: τ of stochastic signs, sign(v + τ·mean|v|·ξ) per "
+                    "tensor (less bias under skew, more variance; flower_dlion.stochastic); 0: deterministic"
+                ),
+            ),
+            "sign-noise-kind": Key("uniform", "the stochastic signs' noise ξ: `uniform` on [−1, 1] or `gaussian`"),
             "server-momentum": Key(
                 0.0,
                 (
@@ -349,6 +357,7 @@ _CHOICES = {
     "lr-schedule": ("constant", "cosine"),
     "init": ("full", "seed"),
     "downlink": ("auto", "anchored", "chain"),
+    "sign-noise-kind": ("uniform", "gaussian"),
     "byzantine-mode": BYZANTINE_MODES,
     "momentum-dtype": ("float32", "bfloat16"),
 }
@@ -371,6 +380,8 @@ DLION_ONLY = (
     "upload",
     "broadcast-bits",
     "scale-block",
+    "sign-noise",
+    "sign-noise-kind",
     "server-momentum",
     "momentum-sync-every",
     "momentum-sync-layers",
