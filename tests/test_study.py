@@ -238,6 +238,29 @@ def test_sweep_resumes_after_an_interruption(fake_data: str, tmp_path: Path, mon
     assert (tmp_path / "figures" / "study-dirichlet-0.5.png").is_file()
 
 
+def test_a_sweep_goes_on_past_a_cell_that_stopped(
+    fake_data: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Prepare: every cell's run replaced by a summary; the second one stopped (no accuracy)
+    study = tmp_path / "study.toml"
+    study.write_text(STUDY.format(data=fake_data))
+    calls: list[str] = []
+
+    def run_cell(cell: sweep.Cell, out: Path, threads: int | None = None) -> dict:
+        calls.append(cell.name)
+        stopped = len(calls) == 2
+        summary = {"eval_set": "test", "final_accuracy": None if stopped else 0.5, "total_mb_up": 1.0,
+                   "wall_time_s": 1.0, "status": "stopped" if stopped else "completed"}  # fmt: skip
+        return {"name": cell.name, "summary": summary}
+
+    monkeypatch.setattr(sweep, "run_cell", run_cell)
+    # Execute
+    sweep.run_sweep(study)
+    # Assert: all 8 cells ran, the stopped one reported as such
+    printed = capsys.readouterr().out
+    assert len(calls) == 8 and f"{calls[1]}: final test accuracy none (stopped)" in printed
+
+
 def test_mean_std_and_partition_specs() -> None:
     assert report.mean_std([0.5, 0.7]) == "0.600 ± 0.141" and report.mean_std([0.25]) == "0.250"
     assert sweep.parse_partition("dirichlet-0.1") == {"partitioner": "dirichlet", "alpha": 0.1}

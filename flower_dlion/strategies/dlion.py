@@ -32,16 +32,7 @@ from .aggregation import RoundCounts, Uplink
 from .common import ServerModelStrategy
 from .downlink_messages import Downlink
 from .nodes import described_model
-from .options import (
-    DownlinkOptions,
-    LocalOptions,
-    OptionAttribute,
-    Options,
-    SecureOptions,
-    StepOptions,
-    SyncOptions,
-    UplinkOptions,
-)
+from .options import OptionAttribute, Options
 from .secure_rounds import SecureRounds
 from .server_state import Broadcast, Round, ServerState
 from .views import ModelView, NodeView
@@ -253,19 +244,7 @@ class DistributedLion(ServerModelStrategy):
         secure_threshold: float = 0.5,
         secure_degree: int = 0,
     ) -> None:
-        self.options = Options(  # each group checks itself as it is built, then Options checks them together
-            step=StepOptions(lr=lr, lr_schedule=lr_schedule, weight_decay=weight_decay, beta1=beta1, beta2=beta2),
-            local=LocalOptions(local_steps=local_steps, local_optimizer=local_optimizer, local_lr=local_lr,
-                local_proximal_mu=local_proximal_mu, stale_momentum=stale_momentum, accumulate=accumulate),
-            uplink=UplinkOptions(aggregation=aggregation, upload=upload, broadcast_bits=broadcast_bits,
-                server_momentum=server_momentum, scale_block=scale_block, sign_noise=sign_noise,
-                sign_noise_kind=sign_noise_kind),
-            downlink=DownlinkOptions(downlink=downlink, anchor_every=anchor_every, max_history_bytes=max_history_bytes,
-                init_seed=init_seed),
-            sync=SyncOptions(momentum_sync_every=momentum_sync_every, momentum_sync_layers=momentum_sync_layers,
-                buffer_sync_every=buffer_sync_every),
-            secure=SecureOptions(secure=secure, secure_threshold=secure_threshold, secure_degree=secure_degree),
-        )  # fmt: skip
+        self.options = Options.from_arguments(locals())  # each group checks itself, then Options the combinations
         min_train_nodes, min_available_nodes = self.options.secure.sampling(min_train_nodes, min_available_nodes)
         super().__init__(  # checks and keeps the sampling arguments
             fraction_train=fraction_train, min_train_nodes=min_train_nodes, min_available_nodes=min_available_nodes,

@@ -22,8 +22,8 @@ that involve two of them. The strategy reads each option by its argument name
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from ..secure.masking import MIN_PARTICIPANTS
@@ -362,6 +362,19 @@ class Options:
                 f"secure=True uploads nothing but masked signs: momentum_sync_every={sync.momentum_sync_every} "
                 "would send each client's float32 momentum in the clear; use 0"
             )
+
+    @classmethod
+    def from_arguments(cls, arguments: Mapping[str, Any]) -> Options:
+        """The six groups from a constructor's keyword arguments: each group takes the fields it names.
+
+        ``DistributedLion.__init__`` passes its ``locals()``; arguments no group names (the sampling
+        ones) are left to the caller.
+        """
+        groups = {"step": StepOptions, "local": LocalOptions, "uplink": UplinkOptions,
+                  "downlink": DownlinkOptions, "sync": SyncOptions, "secure": SecureOptions}  # fmt: skip
+        return cls(
+            **{name: group(**{f.name: arguments[f.name] for f in fields(group)}) for name, group in groups.items()}
+        )
 
     @property
     def anchored(self) -> bool:

@@ -227,8 +227,10 @@ def run_sweep(
         s = record["summary"]
         elapsed = time.perf_counter() - t0
         eta = elapsed / i * (len(todo) - i)
+        accuracy = s.get("final_accuracy")  # None: a cell that stopped (kept with its reason)
+        outcome = f"{accuracy:.4f}" if accuracy is not None else f"none ({s.get('status', 'stopped')})"
         print(
-            f"[sweep] {i}/{len(todo)} {record['name']}: final {s['eval_set']} accuracy {s['final_accuracy']:.4f}, "
+            f"[sweep] {i}/{len(todo)} {record['name']}: final {s['eval_set']} accuracy {outcome}, "
             f"{s['total_mb_up']:.2f} MB up, {s['wall_time_s']:.0f} s | elapsed {elapsed / 60:.1f} min, "
             f"ETA {eta / 60:.1f} min",
             flush=True,
