@@ -357,19 +357,21 @@ def test_robustness_table_groups_by_the_swept_key() -> None:
     assert "| a | 0.850 ± 0.071; ≥ 0.75 at round 10, 2.0 MB/client [2/2] | 0.700; never ≥ 0.75 [0/1] |" in table
 
 
+def _evaluated_cell(label: str, seed: int, accs: list[float], part: str = "iid", status: str = "completed") -> dict:
+    """A 2-client cell record evaluated every round at ``accs``, with 2 MB per client a round (up + down)."""
+    evals = [
+        {"round": i, "accuracy": a, "cum_bytes_up": i * 1e6, "cum_bytes_down": i * 1e6} for i, a in enumerate(accs)
+    ]
+    summary = {"final_accuracy": accs[-1], "best_accuracy": max(accs), "rounds": len(accs) - 1, "status": status}
+    return {"label": label, "partition": part, "num_clients": 2, "seed": seed, "evals": evals, "summary": summary}
+
+
 def test_convergence_table_and_the_seed_spread_target() -> None:
     # Prepare: a reference with 2 seeds whose best accuracies are 0.9 and 0.8 (mean 0.85, std 0.0707)
-    def record(label: str, seed: int, accs: list[float]) -> dict:
-        evals = [
-            {"round": i, "accuracy": a, "cum_bytes_up": i * 1e6, "cum_bytes_down": i * 1e6} for i, a in enumerate(accs)
-        ]
-        summary = {"final_accuracy": accs[-1], "best_accuracy": max(accs), "rounds": len(accs) - 1}
-        return {"label": label, "partition": "iid", "num_clients": 2, "seed": seed, "evals": evals, "summary": summary}
-
     records = [
-        record("fedavg", 0, [0.1, 0.5, 0.9, 0.85]),
-        record("fedavg", 1, [0.1, 0.8, 0.7, 0.75]),
-        record("ef", 0, [0.1, 0.79, 0.8]),
+        _evaluated_cell("fedavg", 0, [0.1, 0.5, 0.9, 0.85]),
+        _evaluated_cell("fedavg", 1, [0.1, 0.8, 0.7, 0.75]),
+        _evaluated_cell("ef", 0, [0.1, 0.79, 0.8]),
     ]
     study = {"strategies": ["fedavg", "ef"], "partitions": ["iid"]}
     # Execute
@@ -410,3 +412,59 @@ def test_every_shipped_study_file_loads_with_valid_run_configs(study_file: Path)
     # Assert: cells exist and their names, the keys of the cell files, are unique
     names = [c.name for c in cells]
     assert names and len(names) == len(set(names))
+
+
+def test_the_reference_target_is_the_mean_of_the_seeds_that_trained() -> None:
+    # Prepare: FedAvg's seed 1 diverged (stopped) and seed 2 ran to the end at chance; seed 0 reached 0.8
+    records = [
+        _evaluated_cell("fedavg", 0, [0.1, 0.6, 0.8]),
+        _evaluated_cell("fedavg", 1, [0.1, 0.15], status="stopped"),
+        _evaluated_cell("fedavg", 2, [0.1, 0.12, 0.1]),
+        _evaluated_cell("ef", 0, [0.1, 0.79, 0.81]),
+    ]
+    study = {"strategies": ["fedavg", "ef"], "partitions": ["iid"]}
+    # Execute
+    text = report.target_table(records, study, "fedavg", fixed=(), metric="best_accuracy")
+    # Assert: the target is seed 0's 0.8 (not the mean of 0.8, 0.15 and 0.12), and the header says so
+    assert [report.trained(r) for r in records] == [True, False, False, True]
+    assert "(fedavg best accuracy 0.800, the 1 of 3 seeds that trained)" in text
+    assert "| ef | 2.00 [1/1, 1.0×] |" in text
+
+
+def test_bits_per_parameter_per_local_step() -> None:
+    # Prepare: D-Lion with 100 local steps at 1.026 bits a round; FedAvg's 1 epoch over 60,000 / 8 images
+    # in batches of 64 (117.19 steps a client on average) at 32 bits; with a 10,000-image holdout, 97.66
+    def record(label: str, cfg: dict, bits: float) -> dict:
+        summary = {"total_mb_up": 1.0, "total_mb_down": 1.0, "rounds": 10, "bytes_up_per_reply": bits / 8 * 1000,
+                   "num_parameters": 1000, "final_accuracy": 0.5, "best_accuracy": 0.5}  # fmt: skip
+        return {"label": label, "partition": "iid", "num_clients": 8, "seed": 0, "run_config": cfg,
+                "summary": summary, "evals": []}  # fmt: skip
+
+    ef = record("ef", {"strategy": "dlion-mean", "local-steps": 100}, 1.026)
+    fedavg = record("fedavg", {"strategy": "fedavg", "batch-size": 64}, 32.0)
+    held = record("fedavg-val", {"strategy": "fedavg", "holdout": 10000}, 32.0)
+    capped = record("fedavg-5", {"strategy": "fedavg", "local-batches": 5, "local-epochs": 2}, 32.0)
+    # Execute
+    steps = [report.local_steps(r) for r in (ef, fedavg, held, capped)]
+    study = {"strategies": ["ef", "fedavg"], "num-clients": [8], "partitions": ["iid"]}
+    text = report.results_tables([ef, fedavg], study)
+    # Assert
+    assert steps == [100.0, 60000 / 8 / 64, 50000 / 8 / 64, 10.0]
+    assert "| ef | 10 | 0.12 / 0.12 | 1.026 | 100 | 0.0103 |" in text
+    assert "| fedavg | 10 | 0.12 / 0.12 | 32.000 | 117.2 | 0.2731 |" in text
+
+
+def test_with_two_references_each_partition_takes_the_higher() -> None:
+    # Prepare: FedAvg at two learning rates on two partitions; "fast" is higher on a, "slow" on b
+    records = [
+        _evaluated_cell("fast", 0, [0.1, 0.9], part="a"),
+        _evaluated_cell("slow", 0, [0.1, 0.5, 0.8], part="a"),
+        _evaluated_cell("fast", 0, [0.1, 0.6], part="b"),
+        _evaluated_cell("slow", 0, [0.1, 0.5, 0.7], part="b"),
+    ]
+    study = {"strategies": ["fast", "slow"], "partitions": ["a", "b"]}
+    # Execute
+    text = report.target_table(records, study, ["slow", "fast"], fixed=(), metric="best_accuracy")
+    # Assert
+    assert "**a** (fast best accuracy 0.900)" in text and "**b** (slow best accuracy 0.700)" in text
+    assert "| fast | – [0/1] |" in text and "| slow | 2.00 [1/1] |" in text.split("**b**")[1]

@@ -15,30 +15,43 @@ client (log x), one column per number of clients.
 
 ``--baselines`` adds the cells of another study that match this one's clients, partitions
 and seeds; ``--reference`` adds a table of the bytes each method needs to reach that
-method's mean final accuracy (and fixed targets).
+method's mean final (or best) accuracy over its seeds that trained, and fixed targets (several
+references, comma-separated: the higher one on each partition). The tables themselves are built in
+`flower_dlion_app.study.tables`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from flower_dlion_app.study.sweep import load_study
+from flower_dlion_app.study.tables import (
+    bytes_to_target,
+    convergence_table,
+    local_steps,
+    mean_std,
+    ordered,
+    results_tables,
+    target_table,
+    trained,
+    tuning_table,
+)
 
 __all__ = [
     "bytes_to_target",
     "convergence_table",
     "load_cells",
+    "local_steps",
     "main",
     "mean_std",
     "results_tables",
     "target_table",
+    "trained",
     "tuning_table",
     "write_report",
     "write_section",
@@ -64,184 +77,6 @@ def load_cells(study_file: Path) -> list[dict[str, Any]]:
     return records
 
 
-def mean_std(values: Sequence[float], digits: int = 3) -> str:
-    """``mean ± std`` (sample std; just the value for one seed)."""
-    if not values:
-        return "–"
-    if len(values) == 1:
-        return f"{values[0]:.{digits}f}"
-    return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
-
-
-def _group(records: Iterable[dict[str, Any]], *keys: str) -> dict[tuple, list[dict[str, Any]]]:
-    groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
-    for r in records:
-        groups[tuple(r[k] for k in keys)].append(r)
-    return groups
-
-
-def _order(values: Iterable[Any], reference: Sequence[Any]) -> list[Any]:
-    values = set(values)
-    return [v for v in reference if v in values]
-
-
-def results_tables(records: list[dict[str, Any]], study: dict[str, Any]) -> str:
-    """Accuracy tables per partition and a bytes table, as Markdown."""
-    strategies = _order((r["label"] for r in records), study["strategies"])
-    clients = _order((r["num_clients"] for r in records), study["num-clients"])
-    partitions = _order((r["partition"] for r in records), study["partitions"])
-    by = _group(records, "label", "partition", "num_clients")
-    lines = []
-    for metric, title in (("final_accuracy", "Final test accuracy"), ("best_accuracy", "Best test accuracy")):
-        lines.append(f"### {title} (mean ± std over seeds; seeds per cell in brackets)\n")
-        for part in partitions:
-            lines.append(f"**{part}**\n")
-            lines.append("| strategy | " + " | ".join(f"n = {n}" for n in clients) + " |")
-            lines.append("|---|" + "---|" * len(clients))
-            for s in strategies:
-                cells = []
-                for n in clients:
-                    group = by.get((s, part, n), [])
-                    vals = [g["summary"][metric] for g in group if g["summary"][metric] is not None]
-                    cells.append(f"{mean_std(vals)} [{len(vals)}]" if vals else "–")
-                lines.append(f"| {s} | " + " | ".join(cells) + " |")
-            lines.append("")
-    lines.append("### Bytes per client over the whole run (measured on the messages; mean over cells)\n")
-    header = " | ".join(f"n = {n}: up / down MB" for n in clients)
-    lines.append(f"| strategy | rounds | {header} | up bits / param / round |")
-    lines.append("|---|---|" + "---|" * (len(clients) + 1))
-    for s in strategies:
-        row, bits = [], []
-        rounds = sorted({g["summary"]["rounds"] for g in records if g["label"] == s})
-        for n in clients:
-            group = [g for g in records if g["label"] == s and g["num_clients"] == n]
-            if not group:
-                row.append("–")
-                continue
-            up = statistics.mean(g["summary"]["total_mb_up"] / n for g in group)
-            down = statistics.mean(g["summary"]["total_mb_down"] / n for g in group)
-            row.append(f"{up:.2f} / {down:.2f}")
-            bits += [8 * g["summary"]["bytes_up_per_reply"] / g["summary"]["num_parameters"] for g in group]
-        lines.append(
-            f"| {s} | {', '.join(map(str, rounds))} | " + " | ".join(row) + f" | {statistics.mean(bits):.3f} |"
-        )
-    lines.append("")
-    return "\n".join(lines)
-
-
-def tuning_table(records: list[dict[str, Any]], swept: str = "lr") -> str:
-    """One row per strategy: the validation accuracy at each value of its swept key; the best in bold.
-
-    The swept key is the one whose value differs between a strategy's cells (``swept`` if none does).
-    """
-    lines = ["| strategy | swept key: validation accuracy (best in bold) |", "|---|---|"]
-    for s, group in _group(records, "label").items():
-        varying = sorted(k for k in group[0]["run_config"] if len({repr(g["run_config"].get(k)) for g in group}) > 1)
-        key = varying[0] if varying else swept
-        group = sorted(group, key=lambda g: g["run_config"][key])
-        best = max(g["summary"]["final_accuracy"] for g in group)
-        cells = []
-        for g in group:
-            text = f"{g['run_config'][key]:g}: {g['summary']['final_accuracy']:.4f}"
-            cells.append(f"**{text}**" if g["summary"]["final_accuracy"] == best else text)
-        lines.append(f"| {s[0]} | {key} " + ", ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def convergence_table(records: list[dict[str, Any]], study: dict[str, Any], last: int = 10) -> str:
-    """Per partition and method: best accuracy, the round it came in, and what the last rounds added.
-
-    "gain in the last ``last`` rounds" is the best accuracy minus the best before those rounds
-    (mean over seeds): close to 0 means the run had stopped improving.
-    """
-    lines = []
-    for part in _order((r["partition"] for r in records), study["partitions"]):
-        lines.append(f"**{part}**\n")
-        lines.append(f"| method | rounds | best accuracy | round of best (per seed) | gain in the last {last} rounds |")
-        lines.append("|---|---|---|---|---|")
-        for s in _order((r["label"] for r in records), study["strategies"]):
-            group = sorted((r for r in records if r["label"] == s and r["partition"] == part), key=lambda r: r["seed"])
-            if not group:
-                continue
-            best, at, gain = [], [], []
-            for r in group:
-                ev = [e for e in r["evals"] if e["accuracy"] is not None and e["round"] > 0]
-                top = max(ev, key=lambda e: e["accuracy"])
-                cut = r["summary"]["rounds"] - last
-                before = [e["accuracy"] for e in ev if e["round"] <= cut]
-                best.append(top["accuracy"])
-                at.append(str(top["round"]))
-                if before:
-                    gain.append(top["accuracy"] - max(before))
-            rounds = r["summary"]["rounds"]
-            lines.append(f"| {s} | {rounds} | {mean_std(best)} | {', '.join(at)} | {mean_std(gain) if gain else '–'} |")
-        lines.append("")
-    return "\n".join(lines)
-
-
-def bytes_to_target(record: dict[str, Any], target: float) -> float | None:
-    """Bytes per client (up + down, measured) when the run first evaluated at ≥ ``target``."""
-    for e in record["evals"]:
-        if e["accuracy"] is not None and e["accuracy"] >= target:
-            return (e["cum_bytes_up"] + e["cum_bytes_down"]) / record["num_clients"]
-    return None
-
-
-def target_table(
-    records: list[dict[str, Any]],
-    study: dict[str, Any],
-    reference: str,
-    fixed: Sequence[float] = (0.75, 0.8),
-    metric: str = "final_accuracy",
-) -> str:
-    """Per partition: MB per client to reach the reference's mean ``metric`` (final or best accuracy) and fixed targets.
-
-    With several reference seeds, its mean minus one standard deviation (the low end of its
-    seed spread) is a target too.
-
-    A method's entry is the mean over the seeds that reached the target, with how many did,
-    and the reference's bytes divided by it (× fewer bytes than the reference).
-    """
-    strategies = _order((r["label"] for r in records), study["strategies"])
-    lines = []
-    for part in _order((r["partition"] for r in records), study["partitions"]):
-        ref = [r for r in records if r["label"] == reference and r["partition"] == part]
-        if not ref:
-            continue
-        ref_values = [r["summary"][metric] for r in ref]
-        ref_acc = statistics.mean(ref_values)
-        sd = statistics.stdev(ref_values) if len(ref_values) > 1 else 0.0
-        spread = [ref_acc - sd] if sd > 0.0005 else []  # the low end of its seed spread
-        targets = [ref_acc, *spread, *[t for t in fixed if abs(t - ref_acc) > 0.005]]
-        ref_final = mean_std([r["summary"][metric] for r in ref])
-        what = metric.replace("_", " ")
-        lines.append(f"**{part}** ({reference} {what} {ref_final})\n")
-        names = [f" ({reference})", " (its mean − 1 std)" if spread else ""]
-        heads = [f"to {t:.3f}" + (names[i] if i < 2 else "") for i, t in enumerate(targets)]
-        lines.append("| method | " + " | ".join(f"MB / client {h}" for h in heads) + " |")
-        lines.append("|---|" + "---|" * len(targets))
-        ref_mb = {}
-        for t in targets:
-            hits = [b for b in (bytes_to_target(r, t) for r in ref) if b is not None]
-            ref_mb[t] = statistics.mean(hits) / 1e6 if hits else None
-        for s in strategies:
-            group = [r for r in records if r["label"] == s and r["partition"] == part]
-            if not group:
-                continue
-            row = []
-            for t in targets:
-                hits = [b for b in (bytes_to_target(r, t) for r in group) if b is not None]
-                if not hits:
-                    row.append(f"– [0/{len(group)}]")
-                    continue
-                mb = statistics.mean(hits) / 1e6
-                ratio = f", {ref_mb[t] / mb:.1f}×" if ref_mb[t] and s != reference else ""
-                row.append(f"{mb:.2f} [{len(hits)}/{len(group)}{ratio}]")
-            lines.append(f"| {s} | " + " | ".join(row) + " |")
-        lines.append("")
-    return "\n".join(lines)
-
-
 def plot_partition(records: list[dict[str, Any]], study: dict[str, Any], partition: str, path: Path) -> None:
     """Accuracy vs round (top) and vs cumulative bytes per client (bottom, log x), one column per n."""
     import matplotlib
@@ -249,8 +84,8 @@ def plot_partition(records: list[dict[str, Any]], study: dict[str, Any], partiti
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    clients = _order((r["num_clients"] for r in records), study["num-clients"])
-    strategies = _order((r["label"] for r in records), study["strategies"])
+    clients = ordered((r["num_clients"] for r in records), study["num-clients"])
+    strategies = ordered((r["label"] for r in records), study["strategies"])
     fig, axes = plt.subplots(2, len(clients), figsize=(max(4 * len(clients), 8), 7), squeeze=False)
     palette = plt.get_cmap("tab20").colors if len(study["strategies"]) > 10 else [f"C{i}" for i in range(10)]
     colors = {s: palette[i % len(palette)] for i, s in enumerate(study["strategies"])}
@@ -286,7 +121,7 @@ def write_report(
     *,
     baselines: Path | None = None,
     baseline_labels: Sequence[str] = (),
-    reference: str | None = None,
+    reference: str | Sequence[str] | None = None,
     reference_metric: str = "final_accuracy",
     targets: Sequence[float] = (0.75, 0.8),
     convergence: bool = False,
@@ -312,7 +147,7 @@ def write_report(
             and r["partition"] in grid["partitions"]
             and r["seed"] in grid["seeds"]
         ]
-        grid["strategies"] = _order({r["label"] for r in extra}, wanted) + own
+        grid["strategies"] = ordered({r["label"] for r in extra}, wanted) + own
     begin, end = (BEGIN, END)
     if section:
         begin, end = markers(section)
@@ -335,10 +170,12 @@ def write_report(
     if reference is not None:
         parts.append(
             "### Bytes per client to reach a target accuracy (mean over the seeds that reached it "
-            f"[reached/run, × fewer bytes than {reference}])\n"
+            f"[reached/run, × fewer bytes than {' or '.join([reference] if isinstance(reference, str) else reference)}"
+            + (", the higher on each partition" if not isinstance(reference, str) and len(reference) > 1 else "")
+            + "])\n"
         )
         parts.append(target_table(extra + records, study["study"], reference, targets, reference_metric))
-    for part in _order((r["partition"] for r in records), study["study"]["partitions"]):
+    for part in ordered((r["partition"] for r in records), study["study"]["partitions"]):
         path = figures / f"{study_file.stem}-{part}.png"
         plot_partition(extra + records, study["study"], part, path)
         rel = Path("figures") / path.name if figures.parent == out.parent else path
@@ -403,7 +240,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--baseline-labels", default="", help="comma-separated labels of --baselines to show (default: all)"
     )
-    parser.add_argument("--reference", help="label whose final accuracy is the bytes-to-target table's target")
+    parser.add_argument(
+        "--reference",
+        help="label(s), comma-separated, whose accuracy is the bytes-to-target table's target (several: the "
+        "highest on each partition)",
+    )
     parser.add_argument(
         "--reference-metric",
         choices=("final", "best"),
@@ -423,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         command,
         baselines=args.baselines,
         baseline_labels=[label for label in args.baseline_labels.split(",") if label],
-        reference=args.reference,
+        reference=args.reference.split(",") if args.reference and "," in args.reference else args.reference,
         reference_metric=f"{args.reference_metric}_accuracy",
         targets=[float(t) for t in args.targets.split(",") if t],
         convergence=args.convergence,
