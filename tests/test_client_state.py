@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -40,6 +41,14 @@ from .states import load
 from .test_codec import MODES
 
 CPU = torch.device("cpu")
+
+
+def on_device(client: DLionClient) -> Any:
+    """The one device ``client`` trained on (CUDA on a GPU machine, the CPU here): its replicas and residents."""
+    (only,) = client._devices.values()
+    return only
+
+
 CLIENTS = Path(flower_dlion.__file__).parent / "clients"
 
 
@@ -146,7 +155,7 @@ def test_a_process_per_message_trains_exactly_like_state_kept_on_the_device(tmp_
         # Execute: partial participation (catch-ups), 6 rounds
         strategy, grid = run(app, 6, nodes=4, fraction_train=0.75, sample_seed=3)
         client.wait()
-        here = client._devices[CPU]
+        here = on_device(client)
         results.append((strategy, grid, here))
     # Assert: the same model bit for bit, every reply valid, no resync; the default kept the nodes resident
     (s_res, _, resident), (s_new, _, none) = results
@@ -165,7 +174,7 @@ def test_nodes_at_one_version_share_one_replica_and_keep_only_their_momentum() -
     strategy, _ = run(app, 3, nodes=6)
     # Assert: one replica a version made once (5 of 6 nodes found it made), at most the two newest kept;
     # per node its momentum (4 bytes a value) and the undo of its last Δ (its packed trits, 1.6 bits)
-    here = client._devices[CPU]
+    here = on_device(client)
     d = strategy.num_parameters
     assert len(here.residents) == 6 and len(here.pool) <= 2
     assert here.pool.hits >= 2 * 5
@@ -311,7 +320,7 @@ def test_a_damaged_state_file_is_refused_named_and_the_node_resyncs(
     for path in folder.glob("*.state"):  # both slots (rounds 1 and 2): nothing to fall back to
         damage(path)
     path = newest_file_by_name(folder)
-    client._devices[CPU].residents.drop(f"{strategy.run_key}/partition-0")  # a new process: nothing on the device
+    on_device(client).residents.drop(f"{strategy.run_key}/partition-0")  # a new process: nothing on the device
     caplog.set_level(logging.WARNING, logger="flwr")
     caplog.set_level(logging.WARNING, logger="flower_dlion")
     # Execute

@@ -40,7 +40,7 @@ from flower_dlion_app.local_grid import LocalGrid
 
 from .byom import ByomNet
 from .states import load
-from .test_client_state import CPU, _files_run, _go_on, byom_app, run
+from .test_client_state import _files_run, _go_on, byom_app, on_device, run
 
 
 def _round(strategy: DistributedLion, grid: LocalGrid, server_round: int, arrays: ArrayRecord) -> None:
@@ -104,7 +104,7 @@ def test_a_client_never_reads_replaces_or_deletes_a_file_it_did_not_write(tmp_pa
     write_state_file(folder / "slot-7.state", foreign)
     (folder / "notes.txt").write_text("mine")
     before = {p.name: p.read_bytes() for p in folder.iterdir() if p.name in ("r9.state", "slot-7.state", "notes.txt")}
-    client._devices[CPU].residents.drop(f"{strategy.run_key}/partition-0")  # a new process: it reads the folder
+    on_device(client).residents.drop(f"{strategy.run_key}/partition-0")  # a new process: it reads the folder
     # Execute
     _go_on(strategy, grid, range(3, 6))
     client.wait()
@@ -283,7 +283,7 @@ def test_a_deleted_truncated_or_poisoned_state_file_resyncs_the_node(
     folder = tmp_path / strategy.run_key / "partition-0"
     for path in sorted(folder.glob("slot-*.state")):
         damage(path)
-    client._devices[CPU].residents.drop(f"{strategy.run_key}/partition-0")
+    on_device(client).residents.drop(f"{strategy.run_key}/partition-0")
     caplog.set_level(logging.WARNING, logger="flower_dlion")
     caplog.set_level(logging.WARNING, logger="flwr")
     # Execute
@@ -311,7 +311,7 @@ def test_a_restarted_node_with_a_truncated_state_file_says_hello_as_a_new_node(
     folder = tmp_path / strategy.run_key / "partition-0"
     newest = max(folder.glob("slot-*.state"), key=lambda p: read_state_header(p)["round"])
     newest.write_bytes(newest.read_bytes()[:-1000])
-    client._devices[CPU].residents.drop(f"{strategy.run_key}/partition-0")
+    on_device(client).residents.drop(f"{strategy.run_key}/partition-0")
     ctx = grid.context(1000)
     hello = Message(RecordDict({HELLO: strategy._hello_config(3)}), dst_node_id=1000, message_type="query")
     caplog.set_level(logging.WARNING, logger="flower_dlion")
