@@ -8,16 +8,18 @@
 process with the same seeds, with 0, 10 % and 30 % of the nodes losing their train replies every
 round (after masking). Prints per run: the final model's hash (secure equal to plain: the same
 counts), the replies per round, the upload per reply in bits a parameter as measured from the
-reply messages (``bytes-up`` less the queries', rounds after the first), the key setup and
-unmasking queries' bytes (the whole run), and the mean time of the rounds after the first (one
-process runs every client one after the other: a round's time is the sum of its clients' and the
-server's).
+reply messages (``bytes-up`` less the queries', rounds after the first), the key and unmasking
+queries' bytes (the whole run) and round trips per round (rounds after the first: the survivors'
+reveals, every round), and the median time of the rounds after the first, with secure over plain
+(one process runs every client one after the other: a round's time is the sum of its clients' and
+the server's).
 
 ``parts``: what secure aggregation adds at d values (default: ResNet-18's 11,173,962) with n
 clients, against the plain path's own steps, timed with ``time.perf_counter`` (median of 5):
-a client's pack (``codec.pack_signs``) and its masking (n − 1 pairwise masks, ChaCha20, added
-bit-sliced); the server's count of n plain payloads (``codec.aggregate_packed``) against the sum
-of n masked uploads and ``counts_delta``; and the recovery of one dropped node's masks.
+a client's pack (``codec.pack_signs``) and its masking (n − 1 pairwise masks and its self-mask,
+ChaCha20, added bit-sliced); the server's count of n plain payloads (``codec.aggregate_packed``)
+against the sum of n masked uploads, their n self-masks off and ``counts_delta``; and, for one
+dropped node, its masks with the n − 1 survivors off the sum.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ def federation(nodes: int, rounds: int) -> None:
     from flower_dlion_app.local_grid import LocalGrid
     from flower_dlion_app.model import Net
 
-    print("dropouts | mode   | x hash           | replies/round | bits/param up | setup+unmask kB | s/round (2..)")
+    print("dropouts | mode   | x hash           | replies/round | bits/param up | queries kB | trips/round | s/round")
+    plain_seconds = 0.0
     for lost in (0, round(0.1 * nodes), round(0.3 * nodes)):
         drop = set(range(1000 + 1, 1000 + 1 + lost))
 
@@ -71,11 +74,14 @@ def federation(nodes: int, rounds: int) -> None:
             replies = sum(r["num-replies"] for r in later)
             sent = sum(r["bytes-up"] - r.get("secure-bytes-up", 0) for r in later)
             queries = sum(r.get("secure-bytes-up", 0) + r.get("secure-bytes-down", 0) for r in strategy.history)
-            seconds = statistics.mean(b - a for a, b in itertools.pairwise(ends[1:]))  # rounds 2 …
+            trips = statistics.mean(r.get("secure-round-trips", 0) for r in later)
+            seconds = statistics.median(b - a for a, b in itertools.pairwise(ends[1:]))  # rounds 2 …
+            plain_seconds = plain_seconds if secure else seconds
+            ratio = f" ({seconds / plain_seconds:.2f}×)" if secure else ""
             digest = hashlib.sha256(strategy.x.numpy().tobytes()).hexdigest()[:16]
             print(
                 f"{lost:8d} | {'secure' if secure else 'plain':6s} | {digest} | {replies / len(later):13.1f} "
-                f"| {8 * sent / replies / d:13.3f} | {queries / 1e3:15.1f} | {seconds:.3f}"
+                f"| {8 * sent / replies / d:13.3f} | {queries / 1e3:10.1f} | {trips:11.1f} | {seconds:.3f}{ratio}"
             )
 
 
@@ -97,32 +103,42 @@ def parts(d: int, nodes: int) -> None:
     u = torch.from_numpy(rng.standard_normal(d).astype(np.float32))
     signs = [codec.pack_signs(torch.from_numpy(rng.standard_normal(d).astype(np.float32))).numpy() for _ in keys]
 
+    own = [bytes([i]) * masking.SEED_BYTES for i in range(nodes)]  # each client's self-mask seed of the round
+
     def masks_of(i: int) -> list[tuple[int, np.ndarray]]:
         seeds = [(j, masking.pair_seed(keys[i], publics[j], "bench")) for j in range(nodes) if j != i]
-        return [(1 if i < j else -1, masking.round_mask(s, 1, d, b)) for j, s in seeds]
+        pairs = [(1 if i < j else -1, masking.round_mask(s, 1, d, b)) for j, s in seeds]
+        return [*pairs, (1, masking.mask_stream(own[i], d, b))]
+
+    def unmask(survivors: range) -> np.ndarray:  # the survivors' sum, their self-masks off
+        acc = masking.sum_planes([uploads[i] for i in survivors], d, b)
+        for i in survivors:
+            masking.add_planes_(acc, masking.mask_stream(own[i], d, b), subtract=True)
+        return acc
 
     pack = _median(lambda: codec.pack_signs(u))
     mask = _median(lambda: masking.masked_planes(signs[0], d, b, masks_of(0)))
     uploads = [masking.masked_planes(signs[i], d, b, masks_of(i)) for i in range(nodes)]
     plain = _median(lambda: codec.aggregate_packed(signs, d, "vote"))
     shape = Shape(d, [d], 1)
-    secure = _median(lambda: counts_delta(masking.planes_bytes(masking.sum_planes(uploads, d, b), d), nodes, shape,
-                                          how="vote"))  # fmt: skip
+    secure = _median(lambda: counts_delta(masking.planes_bytes(unmask(range(nodes)), d), nodes, shape, how="vote"))
 
-    def recover_one() -> None:  # node 0 dropped: its masks with the n − 1 others off the sum
-        acc = masking.sum_planes(uploads[1:], d, b)
+    def recover_one() -> None:  # node 0 dropped: each survivor's mask with it off the sum (its revealed round seed)
+        acc = unmask(range(1, nodes))
         for j in range(1, nodes):
             masking.add_planes_(acc, masking.round_mask(masking.pair_seed(keys[0], publics[j], "bench"), 1, d, b),
-                                subtract=j < 0)  # fmt: skip
+                                subtract=False)  # fmt: skip
 
-    recover = _median(recover_one)
+    recover = _median(recover_one) - _median(lambda: unmask(range(1, nodes)))
     same = codec.aggregate_packed(signs, d, "vote").levels.equal(
-        counts_delta(masking.planes_bytes(masking.sum_planes(uploads, d, b), d), nodes, shape, how="vote").levels
+        counts_delta(masking.planes_bytes(unmask(range(nodes)), d), nodes, shape, how="vote").levels
     )
     print(f"d = {d:,}, n = {nodes}, b = {b} bits a parameter (plain: 1)")
-    print(f"client: pack signs {pack * 1e3:.1f} ms; masking ({nodes - 1} masks) +{mask * 1e3:.1f} ms")
+    print(f"client: pack signs {pack * 1e3:.1f} ms; masking ({nodes - 1} pairwise masks + its self-mask) "
+          f"+{mask * 1e3:.1f} ms")  # fmt: skip
     print(f"server: plain vote of {nodes} {plain * 1e3:.1f} ms; secure sum + vote {secure * 1e3:.1f} ms "
-          f"(same levels: {bool(same)}); one dropout's masks off +{recover * 1e3:.1f} ms")  # fmt: skip
+          f"(same levels: {bool(same)}; {nodes} self-masks off included); one dropout's masks off "
+          f"+{recover * 1e3:.1f} ms")  # fmt: skip
 
 
 def main() -> None:

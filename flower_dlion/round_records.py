@@ -92,6 +92,8 @@ class RoundConfig:
         Start from the state as of the end of this round (-1: the newest), None: the round before.
     keep_round : int
         The server's latest checkpoint (0: none), >= 0.
+    secure : bool
+        A secure-aggregation run: the message must carry its ``dlion.secure`` record.
 
     """
 
@@ -117,6 +119,7 @@ class RoundConfig:
     state_key: str = ""
     state_round: int | None = None
     keep_round: int = 0
+    secure: bool = False
 
     @classmethod
     def parse(cls, record: Mapping[str, Any], node_id: int, *, max_batches: int = MAX_BATCHES) -> RoundConfig:
@@ -154,6 +157,7 @@ class RoundConfig:
             state_key=r.state_key(),
             state_round=r.int("state-round", None, low=-1, optional=True),
             keep_round=r.int("keep-round", 0, low=0),
+            secure=r.flag("secure"),
         )
         cfg._check_together(node_id, max_batches)
         return cfg

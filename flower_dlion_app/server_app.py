@@ -97,7 +97,6 @@ def build_strategy(cfg: dict[str, Any], state_key: str = "") -> Strategy:
             downlink=cfg["downlink"],
             anchor_every=cfg["anchor-every"],
             secure=cfg["secure"],
-            secure_threshold=cfg["secure-threshold"],
             secure_degree=cfg["secure-degree"],
             max_failed_rounds=cfg["max-failed-rounds"],
             **common,

@@ -66,7 +66,6 @@ ALONE = [
     (DownlinkOptions, {"max_history_bytes": -1}, "max_history_bytes must be >= 0 or None, got -1"),
     (SyncOptions, {"momentum_sync_every": -1}, "momentum_sync_every must be >= 0 (0: never), got -1"),
     (SyncOptions, {"buffer_sync_every": -3}, "buffer_sync_every must be >= 0 (0: never), got -3"),
-    (SecureOptions, {"secure_threshold": 1.5}, "secure_threshold must be in (0, 1]"),
     (SecureOptions, {"secure_degree": -1}, "secure_degree must be >= 0 (0: every other participant), got -1"),
 ]
 
@@ -108,7 +107,7 @@ GOOD = [
     {"upload": "sum", "local_steps": 2, "local_proximal_mu": 0.01, "downlink": "chain", "max_history_bytes": 0},
     {"lr_schedule": lion.cosine_decay(10), "broadcast_bits": 2, "server_momentum": 0.9, "init_seed": 7},
     {"momentum_sync_every": 3, "momentum_sync_layers": ["conv"], "buffer_sync_every": 0, "anchor_every": 5},
-    {"secure": True, "secure_threshold": 0.7, "secure_degree": 4, "min_train_nodes": 3},
+    {"secure": True, "secure_degree": 4, "min_train_nodes": 3},
 ]
 
 

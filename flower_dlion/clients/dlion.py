@@ -71,7 +71,7 @@ from .local_work import LocalWork, Tamper, adopt_momentum, age_momentum, round_g
 from .placement import Placement
 from .replica import Apply, apply_message
 from .resident import NodeState, ReplicaPool, Residents, device_memory
-from .secure_client import answer_query, mask_upload
+from .secure_client import answer_query, check_train, mask_upload
 from .settings import MAX_BATCHES, ClientSettings, DeviceMemoryError, positive, resolve_device
 from .state import CONTEXT_LIMIT, ClientStateError, Expected, default_state_dir, node_label
 from .state_store import StateStore, wait_for_writes
@@ -234,6 +234,7 @@ class DLionClient:
         here = self._on(resolve_device(settings.device), settings)
         spec = here.bound.spec
         cfg = self._read_config(msg, context, settings)
+        check_train(msg.content, cfg.secure, cfg.state_key, cfg.server_round, context)  # no plain signs in a secure run
         store, owner = self._store(context, spec.d, cfg.state_key, cfg.as_of, cfg.keep_round)
         choice = self._choice(owner, settings, context)
         lived, self._served = self._served > 0, self._served + 1

@@ -1,42 +1,49 @@
-"""A client's side of secure aggregation: its keys, its masked upload, and the shares it opens for the server.
+"""A client's side of secure aggregation: its key, its doubly masked upload, and what it reveals as a survivor.
 
 The server (:mod:`flower_dlion.strategies.secure_rounds`) sends three kinds of ``dlion.secure``
 records (``protocol.SECURE``); :class:`~flower_dlion.DLionClient` hands each to this module:
 
-- in a query, ``step = "keys"``: make a new epoch's mask key (and, the first time, the share key,
-  which then stays: it opens the shares this node holds; :class:`~flower_dlion.secure.shares.NodeKeys`),
-  keep them in ``context.state`` (never in a message, never logged), answer the public halves;
-- in a query, ``step = "shares"``: seal the Shamir shares of the mask key for the holders named;
+- in a query, ``step = "keys"``: make a new X25519 mask key (a new *epoch*), keep its private half
+  in ``context.state`` (never in a message, never logged), answer the public half;
 - in a train message (:func:`mask_upload`): the round's participants and their public mask keys;
-  the node uploads its packed signs as ``b`` bit planes plus its pairwise masks
-  (:func:`flower_dlion.secure.masking.masked_planes`) instead of the signs;
-- in a query, ``step = "unmask"``: open the shares of nodes that dropped out of a round, **after
-  the checks of** :func:`_check_unmask`: the node took part in that round and replied, the
-  dropped and the survivors split the round's participants as this node saw them, at least
-  :data:`MIN_SURVIVORS` survived, and the server asks for no node it named a survivor (in this or
-  an earlier request for the round). A server that asks for the key of a node that replied would
-  unmask that node's signs: it is refused.
+  the node uploads its packed signs as ``b`` bit planes plus its pairwise masks with its
+  neighbours and a **self-mask** drawn fresh for the round
+  (:func:`flower_dlion.secure.masking.masked_planes`), instead of the signs. It refuses to mask a
+  round it has masked before with the same key (the masks would repeat on other signs);
+- in a query, ``step = "unmask"``: reveal, as a survivor of a round, its self-mask seed of that
+  round and its round seeds with the neighbours that dropped out of it, **after the checks of**
+  :func:`_check_unmask`: the node masked that round, the survivors and the dropped split the
+  round's participants as this node saw them, this node is a survivor, at least
+  :data:`MIN_SURVIVORS` survived, and the split is the one of any earlier request for the round.
+
+What a node reveals is one round's alone (round seeds are one-way: :func:`masking.round_seed`),
+and never both halves of one node's masks: a node's self-mask only by itself as a survivor, its
+pairwise masks only by others who were told it dropped out. A train message of a run this node
+holds keys for (or whose config says ``secure``) that lacks the ``dlion.secure`` record is refused:
+the node never uploads plain signs in a secure run (:func:`check_train`).
 
 Everything the server sends is checked before it is used; a refusal is a
-:class:`~flower_dlion.protocol.ClientStateError` naming the node and the problem.
+:class:`~flower_dlion.protocol.ClientStateError` naming the node, the round and the problem.
 """
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
-from flwr.app import Array, ConfigRecord, Context
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from flwr.app import Array, ConfigRecord, Context, RecordDict
 
 from ..bounds import buffer_moments
 from ..params import ModelSpec
-from ..protocol import MASKED_STYPE, STATE_KEY, ClientStateError
+from ..protocol import MASKED_STYPE, SECURE, STATE_KEY, ClientStateError
 from ..secure import masking
-from ..secure.masking import MIN_PARTICIPANTS, MIN_SURVIVORS
-from ..secure.shares import NodeKeys, open_share, seal_shares
+from ..secure.masking import MIN_PARTICIPANTS, MIN_SURVIVORS, SEED_BYTES
 
-__all__ = ["KEYS_RECORD", "answer_query", "mask_upload"]
+__all__ = ["KEYS_RECORD", "answer_query", "check_train", "mask_upload"]
 
-KEYS_RECORD = "dlion.secure-keys"  # context.state: this node's keys and what it saw of its last rounds
-_KEPT_ROUNDS = 4  # rounds whose participants (and unmask requests) a node remembers
+KEYS_RECORD = "dlion.secure-keys"  # context.state: this node's key and what it masked in its last rounds
+_KEPT_ROUNDS = 4  # rounds whose seeds a node keeps (to answer their unmask request)
 
 
 def _fail(context: Context, why: str) -> ClientStateError:
@@ -55,20 +62,20 @@ def _get(request: ConfigRecord, key: str, kind: type, context: Context) -> objec
     return value
 
 
+def _int(request: ConfigRecord, key: str, context: Context) -> int:
+    return int(_get(request, key, int, context))  # type: ignore[call-overload]
+
+
+def _ints(request: ConfigRecord, key: str, context: Context) -> list[int]:
+    return [int(v) for v in _get(request, key, int, context)]  # type: ignore[attr-defined]
+
+
 def _stored(context: Context, run_key: str) -> ConfigRecord:
-    """The node's secure record of ``run_key`` (keys, epoch, rounds seen); refused when it has none."""
+    """The node's secure record of ``run_key`` (key, epoch, rounds masked); refused when it has none."""
     record = context.state.get(KEYS_RECORD)
     if not isinstance(record, ConfigRecord) or record.get("run") != run_key:
         raise _fail(context, "it holds no keys for this run (a new or restarted node): the server must re-key it")
     return record
-
-
-def _keys(context: Context, run_key: str, epoch: int) -> tuple[NodeKeys, ConfigRecord]:
-    """The node's keys of ``epoch`` and its record; refused when the epoch is not the one it holds."""
-    record = _stored(context, run_key)
-    if record.get("epoch") != epoch:
-        raise _fail(context, f"it holds keys of epoch {record.get('epoch')}, the server asks for epoch {epoch}")
-    return NodeKeys.from_bytes(bytes(record["mask"]), bytes(record["share"])), record
 
 
 def _run_key(request: ConfigRecord, context: Context) -> str:
@@ -78,42 +85,39 @@ def _run_key(request: ConfigRecord, context: Context) -> str:
     return str(run_key)
 
 
+def holds_keys(context: Context, run_key: str) -> bool:
+    """Whether this node holds secure keys for the run ``run_key`` (it then masks every upload of that run)."""
+    record = context.state.get(KEYS_RECORD)
+    return isinstance(record, ConfigRecord) and record.get("run") == run_key
+
+
+def check_train(content: RecordDict, secure: bool, run_key: str, server_round: int, context: Context) -> None:
+    """Refuse a train message that would make this node upload plain signs in a secure run.
+
+    A run is secure for this node when its config says so (``secure``) or when the node holds keys
+    for it (:func:`holds_keys`); such a message must carry the ``dlion.secure`` record.
+    """
+    if SECURE not in content and (secure or (run_key and holds_keys(context, run_key))):
+        raise _fail(
+            context,
+            f"round {server_round}: the train message of a secure run has no '{SECURE}' record: "
+            "refused (this node never uploads plain signs there)",
+        )
+
+
 def answer_query(request: ConfigRecord, context: Context) -> ConfigRecord:
-    """The answer to a ``dlion.secure`` query: new keys, sealed shares, or opened shares (see the module doc)."""
+    """The answer to a ``dlion.secure`` query: a new public key, or a survivor's reveals (see the module doc)."""
     step, run_key = request.get("step"), _run_key(request, context)
-    if step == "keys":  # a new mask key; the share key stays (it opens the shares this node holds)
-        epoch = int(_get(request, "epoch", int, context))  # type: ignore[call-overload]
-        old = context.state.get(KEYS_RECORD)
-        keys = NodeKeys.generate()
-        if isinstance(old, ConfigRecord) and old.get("run") == run_key:
-            keys = NodeKeys(keys.mask, NodeKeys.from_bytes(bytes(old["mask"]), bytes(old["share"])).share)
-        mask, share = keys.private_bytes()
-        context.state[KEYS_RECORD] = ConfigRecord({"run": run_key, "epoch": epoch, "mask": mask, "share": share})
-        mask_public, share_public = keys.public_bytes()
-        return ConfigRecord({"epoch": epoch, "mask-public": mask_public, "share-public": share_public})
-    if step == "shares":
-        return _seal(request, run_key, context)
+    if step == "keys":  # a new mask key: its rounds start afresh (no earlier round's masks can recur)
+        epoch = _int(request, "epoch", context)
+        key = X25519PrivateKey.generate()
+        context.state[KEYS_RECORD] = ConfigRecord(
+            {"run": run_key, "epoch": epoch, "mask": key.private_bytes_raw(), "last-round": 0}
+        )
+        return ConfigRecord({"epoch": epoch, "mask-public": key.public_key().public_bytes_raw()})
     if step == "unmask":
         return _unmask(request, run_key, context)
-    raise _fail(context, f"unknown step {step!r} (keys, shares or unmask)")
-
-
-def _seal(request: ConfigRecord, run_key: str, context: Context) -> ConfigRecord:
-    """Sealed shares of the mask key, one per holder named (holders' public share keys in the request)."""
-    epoch, me = int(_get(request, "epoch", int, context)), int(_get(request, "me", int, context))  # type: ignore[call-overload]
-    holders = list(_get(request, "holders", int, context))  # type: ignore[call-overload]
-    publics = list(_get(request, "share-publics", bytes, context))  # type: ignore[call-overload]
-    threshold = int(_get(request, "threshold", int, context))  # type: ignore[call-overload]
-    if len(holders) != len(publics) or len(set(holders)) != len(holders) or me in holders:
-        raise _fail(context, "the holders must be distinct other nodes, one public share key each")
-    if not 2 <= threshold <= len(holders):
-        raise _fail(context, f"threshold {threshold} is not in [2, {len(holders)}] (the holders)")
-    keys, _ = _keys(context, run_key, epoch)
-    try:
-        sealed = seal_shares(keys, me, epoch, dict(zip(holders, publics, strict=True)), threshold, run_key)
-    except ValueError as err:
-        raise _fail(context, f"a holder's public share key is not an X25519 key ({err})") from err
-    return ConfigRecord({"holders": list(sealed), "sealed": list(sealed.values())})
+    raise _fail(context, f"unknown step {step!r} (keys or unmask)")
 
 
 def mask_upload(
@@ -121,92 +125,126 @@ def mask_upload(
 ) -> dict[str, Array]:
     """The reply's arrays with the packed signs replaced by the masked planes (``"masked"``, b·⌈d/8⌉ bytes).
 
-    In a buffer round, the buffers too: their moments (:func:`flower_dlion.bounds.buffer_moments`)
-    as fixed point in Z_{2^64} under the same pairs' masks (``"masked-buffers"``), for their mean.
+    The planes are the signs plus ``Σⱼ σⱼ·Mⱼ`` over the node's neighbours (each ``Mⱼ`` the
+    keystream of the pair's round seed) plus the self-mask (the keystream of a seed drawn for this
+    round). In a buffer round, the buffers too: their moments (:func:`flower_dlion.bounds.buffer_moments`)
+    as fixed point in Z_{2^64} under the same seeds' streams (``"masked-buffers"``), for their mean.
+
+    Raises
+    ------
+    ClientStateError
+        A request it cannot trust (see the checks below), or a round it masked before with this key.
+
     """
     d = spec.d
     run_key = _run_key(request, context)
-    epoch, me = int(_get(request, "epoch", int, context)), int(_get(request, "me", int, context))  # type: ignore[call-overload]
-    peers = list(_get(request, "participants", int, context))  # type: ignore[call-overload]
+    epoch, me = _int(request, "epoch", context), _int(request, "me", context)
+    peers = _ints(request, "participants", context)
     publics = list(_get(request, "mask-publics", bytes, context))  # type: ignore[call-overload]
-    degree, bits = int(_get(request, "degree", int, context)), int(_get(request, "bits", int, context))  # type: ignore[call-overload]
+    degree, bits = _int(request, "degree", context), _int(request, "bits", context)
+    where = f"round {server_round}"
     if set(arrays) - {"buffers"} != {"signs"}:
-        raise _fail(context, f"masking needs the sign upload (and buffers), the round uploads {sorted(arrays)}")
+        raise _fail(context, f"{where}: masking needs the sign upload (and buffers), not {sorted(arrays)}")
     if len(peers) != len(publics) or len(set(peers)) != len(peers) or me not in peers:
-        raise _fail(context, "the participants must be distinct, include this node, one public mask key each")
+        raise _fail(context, f"{where}: the participants must be distinct, include this node, one public mask key each")
     if len(peers) < MIN_PARTICIPANTS:
-        raise _fail(context, f"{len(peers)} participants: a masked round needs at least {MIN_PARTICIPANTS}")
+        raise _fail(context, f"{where}: {len(peers)} participants: a masked round needs at least {MIN_PARTICIPANTS}")
     if bits != masking.mask_bits(len(peers)) or not 0 <= degree < len(peers):
-        raise _fail(context, f"bits {bits} / degree {degree} do not fit {len(peers)} participants")
-    keys, record = _keys(context, run_key, epoch)
+        raise _fail(context, f"{where}: bits {bits} / degree {degree} do not fit {len(peers)} participants")
+    record = _stored(context, run_key)
+    if record.get("epoch") != epoch:
+        raise _fail(context, f"{where}: it holds keys of epoch {record.get('epoch')}, the server asks for {epoch}")
+    if server_round <= int(record["last-round"]):  # type: ignore[call-overload]
+        raise _fail(
+            context,
+            f"{where}: it masked round {record['last-round']} with this key already; masking round {server_round} "
+            "again would reuse its masks on other signs: refused (a resumed server must re-key its nodes)",
+        )
+    key = X25519PrivateKey.from_private_bytes(bytes(record["mask"]))  # type: ignore[arg-type]
     public_of = dict(zip(peers, publics, strict=True))
-    if public_of[me] != keys.public_bytes()[0]:
-        raise _fail(context, "the server lists another public mask key for this node")
-    seeds = []
-    for peer in masking.neighbours(peers, me, degree, [server_round]):
+    if public_of[me] != key.public_key().public_bytes_raw():
+        raise _fail(context, f"{where}: the server lists another public mask key for this node")
+    neighbours, seeds = masking.neighbours(peers, me, degree, [server_round]), []
+    for peer in neighbours:
         try:
-            seeds.append((1 if me < peer else -1, masking.pair_seed(keys.mask, public_of[peer], run_key)))
+            seeds.append(masking.round_seed(masking.pair_seed(key, public_of[peer], run_key), server_round))
         except ValueError as err:
-            raise _fail(context, f"node {peer}'s public mask key is not an X25519 key ({err})") from err
-    masks = [(sigma, masking.round_mask(seed, server_round, d, bits)) for sigma, seed in seeds]
+            raise _fail(context, f"{where}: node {peer}'s public mask key is not an X25519 key ({err})") from err
+    own = os.urandom(SEED_BYTES)  # the self-mask: revealed by this node alone, as a survivor of this round
+    signed = [(1 if me < peer else -1, seed) for peer, seed in zip(neighbours, seeds, strict=True)] + [(1, own)]
+    masks = [(sigma, masking.mask_stream(seed, d, bits)) for sigma, seed in signed]
     planes = masking.masked_planes(np.frombuffer(arrays["signs"].data, dtype=np.uint8), d, bits, masks)
     out = {"masked": Array(dtype="level", shape=(d,), stype=MASKED_STYPE, data=planes.tobytes())}
     if "buffers" in arrays:
         fixed = masking.to_fixed(buffer_moments(spec, arrays["buffers"].numpy()))
-        for sigma, seed in seeds:  # uint64 arithmetic wraps: mod 2⁶⁴
-            mask = masking.buffer_mask(seed, server_round, fixed.size)
+        for sigma, seed in signed:  # uint64 arithmetic wraps: mod 2⁶⁴
+            mask = masking.buffer_mask(seed, fixed.size)
             fixed = fixed + mask if sigma > 0 else fixed - mask
         out["masked-buffers"] = Array(dtype="uint64", shape=(fixed.size,), stype=MASKED_STYPE, data=fixed.tobytes())
-    _remember_round(record, server_round, peers)
+    _remember_round(record, server_round, me, peers, neighbours, seeds, own)
     context.state[KEYS_RECORD] = record
     return out
 
 
-def _remember_round(record: ConfigRecord, server_round: int, peers: list[int]) -> None:
-    """Keep the round's participants (for :func:`_check_unmask`), for the last :data:`_KEPT_ROUNDS` rounds."""
+def _remember_round(
+    record: ConfigRecord, server_round: int, me: int, peers: list[int], neighbours: list[int], seeds: list[bytes],
+    own: bytes,
+) -> None:  # fmt: skip
+    """Keep what answering the round's unmask request needs, for the last :data:`_KEPT_ROUNDS` rounds."""
+    record["last-round"] = server_round
+    record[f"me-{server_round}"] = me
     record[f"peers-{server_round}"] = list(peers)
+    record[f"nbrs-{server_round}"] = list(neighbours)
+    record[f"seeds-{server_round}"] = list(seeds)
+    record[f"self-{server_round}"] = own
     rounds = sorted(int(key[len("peers-") :]) for key in record if key.startswith("peers-"))
     for old in rounds[:-_KEPT_ROUNDS]:
-        for key in (f"peers-{old}", f"told-{old}"):
-            if key in record:
-                del record[key]
+        for name in ("me", "peers", "nbrs", "seeds", "self", "told"):
+            if f"{name}-{old}" in record:
+                del record[f"{name}-{old}"]
 
 
-def _check_unmask(record: ConfigRecord, request: ConfigRecord, me: int, context: Context) -> tuple[int, list[int]]:
+def _check_unmask(record: ConfigRecord, request: ConfigRecord, context: Context) -> tuple[int, set[int]]:
     """The round and the dropped nodes of an unmask request, after the checks in the module doc."""
-    server_round = int(_get(request, "round", int, context))  # type: ignore[call-overload]
-    survivors = set(_get(request, "survivors", int, context))  # type: ignore[call-overload]
-    dropped = set(_get(request, "dropped", int, context))  # type: ignore[call-overload]
+    server_round = _int(request, "round", context)
+    me = _int(request, "me", context)
+    survivors, dropped = set(_ints(request, "survivors", context)), set(_ints(request, "dropped", context))
+    where = f"round {server_round}"
     peers = record.get(f"peers-{server_round}")
     if peers is None:
-        raise _fail(context, f"it did not upload in round {server_round}: nothing to unmask there")
-    if survivors & dropped or survivors | dropped != set(peers) or me not in survivors:
-        raise _fail(context, f"round {server_round}: the survivors and the dropped do not split its participants")
+        raise _fail(context, f"{where}: it did not upload in that round (or no longer keeps it): nothing to reveal")
+    if me != record[f"me-{server_round}"]:
+        raise _fail(context, f"{where}: the server calls this node {me}, it masked as {record[f'me-{server_round}']}")
+    if survivors & dropped or survivors | dropped != set(peers):  # type: ignore[arg-type]
+        raise _fail(context, f"{where}: the survivors and the dropped do not split its participants {sorted(peers)}")  # type: ignore[arg-type]
+    if me not in survivors:
+        raise _fail(context, f"{where}: this node is named dropped: its self-mask stays secret")
     if len(survivors) < MIN_SURVIVORS:
-        raise _fail(context, f"round {server_round}: {len(survivors)} survivor(s); unmasking needs {MIN_SURVIVORS}")
-    told = set(record.get(f"told-{server_round}", []))  # type: ignore[arg-type]
-    if told and told != survivors:
-        raise _fail(context, f"round {server_round}: asked again with other survivors {sorted(survivors)}")
+        raise _fail(
+            context,
+            f"{where}: {len(survivors)} survivors; unmasking needs {MIN_SURVIVORS} "
+            "(with fewer, each would read the others' signs from Δ)",
+        )
+    told = record.get(f"told-{server_round}")
+    if told is not None and set(told) != survivors:  # type: ignore[arg-type]
+        raise _fail(context, f"{where}: asked again with other survivors {sorted(survivors)} (first: {told})")
     record[f"told-{server_round}"] = sorted(survivors)
-    return server_round, sorted(dropped)
+    return server_round, dropped
 
 
 def _unmask(request: ConfigRecord, run_key: str, context: Context) -> ConfigRecord:
-    """Open this node's shares of the dropped nodes' mask keys (checked by :func:`_check_unmask`)."""
-    epoch, me = int(_get(request, "epoch", int, context)), int(_get(request, "me", int, context))  # type: ignore[call-overload]
-    keys, record = _keys(context, run_key, epoch)
-    _, dropped = _check_unmask(record, request, me, context)
-    owners = list(_get(request, "owners", int, context))  # type: ignore[call-overload]
-    epochs = list(_get(request, "epochs", int, context))  # type: ignore[call-overload]
-    publics = list(_get(request, "share-publics", bytes, context))  # type: ignore[call-overload]
-    sealed = list(_get(request, "sealed", bytes, context))  # type: ignore[call-overload]
-    if not len(owners) == len(epochs) == len(publics) == len(sealed) or not set(owners) <= set(dropped):
-        raise _fail(context, f"asked for the keys of {sorted(set(owners) - set(dropped))}, which did not drop out")
-    opened = []
-    for owner, owner_epoch, public, box in zip(owners, epochs, publics, sealed, strict=True):
-        try:
-            opened.append(open_share(keys, public, box, run_key, owner, owner_epoch, me))
-        except ValueError as err:
-            raise _fail(context, str(err)) from err
+    """A survivor's reveals for one round: its self-mask seed, its round seeds with its dropped neighbours."""
+    record = _stored(context, run_key)
+    server_round, dropped = _check_unmask(record, request, context)
+    neighbours = list(record[f"nbrs-{server_round}"])  # type: ignore[call-overload]
+    seeds = list(record[f"seeds-{server_round}"])  # type: ignore[call-overload]
+    owners = [v for v in neighbours if v in dropped]
     context.state[KEYS_RECORD] = record
-    return ConfigRecord({"owners": owners, "shares": opened})
+    return ConfigRecord(
+        {
+            "round": server_round,
+            "self": bytes(record[f"self-{server_round}"]),  # type: ignore[arg-type]
+            "owners": owners,
+            "seeds": [bytes(s) for v, s in zip(neighbours, seeds, strict=True) if v in dropped],
+        }
+    )

@@ -13,9 +13,16 @@ Everything stays *bit-sliced*: a vector of d values in Z_{2^b} is b bit planes o
 is b·⌈d/8⌉ keystream bytes read as planes, and sums are ripple-carry adds on 64-bit words
 (:func:`add_planes_`): nobody unpacks d values.
 
-Keys: ``Mᵢⱼ`` of round t is ChaCha20's keystream under ``HKDF-SHA256(X25519(skᵢ, pkⱼ), info = run key,
-t)`` (:func:`pair_seed`, :func:`round_mask`), from the ``cryptography`` package: X25519 and HKDF
-as RFC 7748 and RFC 5869 define them, no primitive of our own. Imports numpy and cryptography only.
+Keys and secrecy per round (docs/GUIDE.md, "Secure aggregation"): a pair's long-lived secret is
+``HKDF-SHA256(X25519(skᵢ, pkⱼ), info = run key)`` (:func:`pair_seed`), which never leaves either node.
+Its **round seed** is ``SHA-256(label ‖ secret ‖ round)`` (:func:`round_seed`), one-way: revealing
+round t's seed (what a survivor does for a neighbour that dropped out of round t) says nothing
+of any other round's. ``Mᵢⱼ`` is ChaCha20's keystream under the round seed (:func:`mask_stream`).
+Each client also adds a **self-mask**, the keystream of a seed it draws fresh for the round and
+reveals only as a survivor of that round (SecAgg's double masking): the server never holds
+both what takes off a node's pairwise masks and what takes off its self-mask.
+X25519, HKDF and ChaCha20 come from the ``cryptography`` package, no primitive of our own.
+Imports numpy and cryptography only.
 """
 
 from __future__ import annotations
@@ -35,16 +42,19 @@ __all__ = [
     "MAX_BITS",
     "MIN_PARTICIPANTS",
     "MIN_SURVIVORS",
+    "SEED_BYTES",
     "add_planes_",
     "buffer_mask",
     "from_fixed_mean",
     "mask_bits",
+    "mask_stream",
     "masked_planes",
     "neighbours",
     "pair_seed",
     "plane_bytes",
     "planes_bytes",
     "round_mask",
+    "round_seed",
     "subtract_planes_",
     "sum_planes",
     "to_fixed",
@@ -52,11 +62,13 @@ __all__ = [
 
 MAX_BITS = 16  # b ≤ 16: up to 65 535 clients a round
 MIN_PARTICIPANTS = 3  # a masked round of two would show each client the other's signs (the sum minus its own)
-MIN_SURVIVORS = 2  # unmasking a round with one survivor would hand the server that node's signs
+MIN_SURVIVORS = 3  # unmasking a round of two survivors would show each the other's signs (Δ minus its own)
 BUFFER_RANGE = float(1 << 20)  # buffers are summed as fixed point in Z_{2^64}: each value clipped to ±2²⁰,
 BUFFER_SCALE = float(1 << 26)  # in steps of 2⁻²⁶; n < 2¹⁶ clients keep |Σ| < 2⁶² (no wrap)
 
 _MASK_INFO = b"flower-dlion mask v1"
+_ROUND_LABEL = b"flower-dlion round seed v2"
+SEED_BYTES = 32  # a round seed, a self-mask seed
 
 
 def mask_bits(n: int) -> int:
@@ -93,15 +105,26 @@ def pair_seed(private: X25519PrivateKey, public: bytes, run_key: str) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=_MASK_INFO + run_key.encode()).derive(shared)
 
 
-def round_mask(seed: bytes, server_round: int, d: int, bits: int) -> np.ndarray:
-    """``M`` of one pair in one round: b planes of ⌈d/8⌉ bytes, ChaCha20's keystream, shape (b, ⌈d/8⌉) uint8.
+def round_seed(seed: bytes, server_round: int) -> bytes:
+    """A pair's seed for one round: ``SHA-256(label ‖ seed ‖ round)``, 32 bytes (one-way: it gives no other round's)."""
+    return hashlib.sha256(_ROUND_LABEL + seed + struct.pack("<Q", server_round)).digest()
 
-    The stream's key is ``SHA-256(seed ‖ round)`` (a fresh key per round; the nonce is then 0).
+
+def mask_stream(key: bytes, d: int, bits: int) -> np.ndarray:
+    """The mask of a 32-byte round or self-mask seed: b planes of ⌈d/8⌉ bytes of ChaCha20's keystream, (b, ⌈d/8⌉) uint8.
+
+    The seed is the stream's key (each key is used for one round only), the nonce 0.
     """
-    key = hashlib.sha256(seed + struct.pack("<Q", server_round)).digest()
+    if len(key) != SEED_BYTES:
+        raise ValueError(f"a mask seed has {SEED_BYTES} bytes, got {len(key)}")
     size = bits * plane_bytes(d)
     stream = Cipher(algorithms.ChaCha20(key, bytes(16)), mode=None).encryptor().update(bytes(size))
     return np.frombuffer(stream, dtype=np.uint8).reshape(bits, -1)
+
+
+def round_mask(seed: bytes, server_round: int, d: int, bits: int) -> np.ndarray:
+    """``M`` of one pair in one round: :func:`mask_stream` of its :func:`round_seed`."""
+    return mask_stream(round_seed(seed, server_round), d, bits)
 
 
 def _words(planes: np.ndarray) -> np.ndarray:
@@ -205,8 +228,11 @@ def from_fixed_mean(total: np.ndarray, n: int) -> np.ndarray:
     return total.view(np.int64).astype(np.float64) / (BUFFER_SCALE * n)
 
 
-def buffer_mask(seed: bytes, server_round: int, count: int) -> np.ndarray:
-    """A pair's mask of ``count`` values in Z_{2^64} for the round's buffers (a stream apart from the signs')."""
-    key = hashlib.sha256(seed + struct.pack("<Q", server_round) + b"buffers").digest()
-    stream = Cipher(algorithms.ChaCha20(key, bytes(16)), mode=None).encryptor().update(bytes(8 * count))
+def buffer_mask(key: bytes, count: int) -> np.ndarray:
+    """The mask of ``count`` values in Z_{2^64} for a round's buffers, from the seed of the signs' mask.
+
+    A stream apart from the signs': its key is ``SHA-256(seed ‖ "buffers")``.
+    """
+    stream_key = hashlib.sha256(key + b"buffers").digest()
+    stream = Cipher(algorithms.ChaCha20(stream_key, bytes(16)), mode=None).encryptor().update(bytes(8 * count))
     return np.frombuffer(stream, dtype=np.uint64)

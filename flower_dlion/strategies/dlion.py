@@ -168,9 +168,8 @@ class DistributedLion(ServerModelStrategy):
     secure : bool (default: False)
         Secure aggregation (:mod:`~.secure_rounds`; docs/GUIDE.md, "Secure aggregation"): clients
         upload their signs under pairwise masks, b = ⌈log₂(n+1)⌉ bits a parameter; the server learns
-        the counts (the same Δ), not one client's signs. Needs the sign upload, an exact broadcast.
-    secure_threshold : float (default: 0.5)
-        The share of a node's key holders whose shares recover its mask key when it drops out.
+        the counts (the same Δ), not one client's signs in any round. Needs the sign upload, an exact
+        broadcast; one more query round trip a round (the survivors' reveals).
     secure_degree : int (default: 0)
         Neighbours each client masks with (SecAgg+'s graph); 0: every other participant.
 
@@ -201,7 +200,7 @@ class DistributedLion(ServerModelStrategy):
     )
     downlink, anchor_every, max_history_bytes, init_seed = OptionAttribute.group("downlink", 4)
     momentum_sync_every, momentum_sync_layers, buffer_sync_every = OptionAttribute.group("sync", 3)
-    secure, secure_threshold, secure_degree = OptionAttribute.group("secure", 3)
+    secure, secure_degree = OptionAttribute.group("secure", 2)
 
     def __init__(
         self,
@@ -241,7 +240,6 @@ class DistributedLion(ServerModelStrategy):
         sign_noise: float = 0.0,
         sign_noise_kind: Literal["uniform", "gaussian"] = "uniform",
         secure: bool = False,
-        secure_threshold: float = 0.5,
         secure_degree: int = 0,
     ) -> None:
         self.options = Options.from_arguments(locals())  # each group checks itself, then Options the combinations
@@ -268,9 +266,11 @@ class DistributedLion(ServerModelStrategy):
         self.up = Uplink(self.options, state, model)  # replies in, Δ applied to x
         self.down = Downlink(self.options, state, model, NodeView(self))  # what each node is sent
         self.secure_rounds = (  # keys, masks and unmasking (secure=True)
-            SecureRounds(self.options.secure, self.nodes.node_of.get, lambda: self.run_key) if self.secure else None
+            SecureRounds(self.options.secure, lambda k: self.nodes.node_of.get(k), lambda: self.run_key)
+            if self.secure
+            else None
         )
-        self._grid: Grid | None = None  # the round's grid (the unmasking asks the survivors for shares)
+        self._grid: Grid | None = None  # the round's grid (the unmasking asks the survivors for their reveals)
 
     @property
     def state(self) -> ServerState:
@@ -380,12 +380,10 @@ class DistributedLion(ServerModelStrategy):
         )
         valid = sorted(checked.valid, key=lambda r: r.node_id)  # a fixed order: float sums are reproducible
         self.down.confirm(valid, rnd)
-        outcome, unmasked = None, None
-        if self.secure_rounds is not None and valid:  # the masked sum of the survivors, unmasked: the counts
-            uploads = {self.partition_of(r.node_id): r.upload.data for r in valid}
-            buffers = {self.partition_of(r.node_id): r.masked_buffers for r in valid} if rnd.buffer_sync else None
-            unmasked = self.secure_rounds.unmask(self._grid, rnd, uploads, self.num_parameters, buffers)
-            valid = valid if unmasked is not None else []
+        outcome, unmasked, d = None, None, self.num_parameters
+        if self.secure_rounds is not None:  # the masked sum of the survivors, unmasked: the counts (or none)
+            assert self._grid is not None
+            valid, unmasked = self.secure_rounds.counts(self._grid, rnd, replies, valid, self.partition_of, d)
         if len(valid) >= self.min_replies:
             outcome = self.up.apply(valid, rnd, counts, unmasked)
             if outcome.broadcast is not None:  # the chain downlink keeps it for clients that fall behind

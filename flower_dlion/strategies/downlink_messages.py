@@ -162,6 +162,7 @@ class Downlink:
             state_key=self.nodes.run_key,  # the client's state is this run's alone
             state_round=server_round - 1 if files else None,
             keep_round=self.nodes.checkpoint_round if files else 0,
+            secure=self.options.secure.secure,
         ).to_record()
 
     def confirm(self, valid: list[ValidReply], rnd: Round) -> None:

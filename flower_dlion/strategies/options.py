@@ -263,23 +263,17 @@ class SecureOptions:
     Raises
     ------
     ValueError
-        ``secure_threshold`` outside (0, 1] or a negative ``secure_degree``. (What secure
+        A negative ``secure_degree``. (What secure
         aggregation needs of the upload and the synchronizations: :class:`Options`.)
 
     """
 
     secure: bool = False
-    secure_threshold: float = 0.5
     secure_degree: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.secure, bool):
             raise ValueError(f"secure must be True or False, got {self.secure!r}")
-        if not (math.isfinite(self.secure_threshold) and 0.0 < self.secure_threshold <= 1.0):
-            raise ValueError(
-                f"secure_threshold must be in (0, 1] (the share of a key's holders needed to recover it), "
-                f"got {self.secure_threshold}"
-            )
         if self.secure_degree < 0:
             raise ValueError(f"secure_degree must be >= 0 (0: every other participant), got {self.secure_degree}")
 
@@ -409,7 +403,7 @@ class Options:
             lines.append(f"stochastic signs: sign_noise={up.sign_noise:g} ({up.sign_noise_kind})")
         if self.secure.secure:
             sec = self.secure
-            lines.append(f"secure aggregation: threshold={sec.secure_threshold:g} | degree={sec.secure_degree}")
+            lines.append(f"secure aggregation: degree={sec.secure_degree}")
         return [*lines, f"downlink={anchored}"]
 
 

@@ -127,8 +127,6 @@ def _check_ranges(cfg: dict[str, Any]) -> None:
         raise ValueError(
             f"run-config 'sign-noise' must be in [0, 100] (0: deterministic signs), got {cfg['sign-noise']}"
         )
-    if not 0.0 < cfg["secure-threshold"] <= 1.0:
-        raise ValueError(f"run-config 'secure-threshold' must be in (0, 1], got {cfg['secure-threshold']}")
     if cfg["secure-degree"] < 0:
         raise ValueError(
             f"run-config 'secure-degree' must be >= 0 (0: every other participant), got {cfg['secure-degree']}"

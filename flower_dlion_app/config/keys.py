@@ -168,7 +168,6 @@ GROUPS: dict[str, Group] = {
                     "parameter; the server learns the counts, not one client's signs (GUIDE, Secure aggregation)"
                 ),
             ),
-            "secure-threshold": Key(0.5, "share of a node's key holders whose shares recover its key after a dropout"),
             "secure-degree": Key(0, "neighbours each client masks with (SecAgg+'s graph); 0: every other participant"),
         },
     ),
@@ -389,6 +388,5 @@ DLION_ONLY = (
     "downlink",
     "anchor-every",
     "secure",
-    "secure-threshold",
     "secure-degree",
 )
