@@ -201,12 +201,12 @@ def test_sweep_resumes_after_an_interruption(fake_data: str, tmp_path: Path, mon
     assert len(cells) == 8 and [c.seed for c in cells] == [0] * 4 + [1] * 4  # first seeds first
     real_run_cell, calls, interrupt = sweep.run_cell, [], [True]
 
-    def run_cell(cell: sweep.Cell, out: Path, threads: int | None = None) -> dict:
+    def run_cell(cell: sweep.Cell, out: Path) -> dict:
         calls.append(cell.name)
         if interrupt[0] and len(calls) == 3:
             (out / "cells" / f"{cell.name}.json.tmp").write_text("{half a file")  # killed mid-write
             raise KeyboardInterrupt
-        return real_run_cell(cell, out, threads)
+        return real_run_cell(cell, out)
 
     monkeypatch.setattr(sweep, "run_cell", run_cell)
     with pytest.raises(KeyboardInterrupt):
@@ -246,7 +246,7 @@ def test_a_sweep_goes_on_past_a_cell_that_stopped(
     study.write_text(STUDY.format(data=fake_data))
     calls: list[str] = []
 
-    def run_cell(cell: sweep.Cell, out: Path, threads: int | None = None) -> dict:
+    def run_cell(cell: sweep.Cell, out: Path) -> dict:
         calls.append(cell.name)
         stopped = len(calls) == 2
         summary = {"eval_set": "test", "final_accuracy": None if stopped else 0.5, "total_mb_up": 1.0,

@@ -2,16 +2,20 @@
 
 Usage::
 
-    python -m flower_dlion_app.study.report examples/studies/study.toml [--tuning examples/studies/tune.toml]
-        [--out docs/RESULTS.md] [--figures docs/figures]
+    python -m flower_dlion_app.study.report my-study.toml        # -> <out>/report.md and <out>/figures/
+    python -m flower_dlion_app.study.report examples/studies/study.toml --tuning examples/studies/tune.toml \
+        --out docs/RESULTS.md --figures docs/figures
     python -m flower_dlion_app.study.report examples/studies/beyond.toml --baselines examples/studies/study.toml \
-        --reference fedavg-lr0.03 --section beyond
+        --reference fedavg-lr0.03 --section beyond --out docs/RESULTS.md --figures docs/figures
 
-Writes the generated part of ``--out`` between ``<!-- BEGIN GENERATED -->`` and
+By default everything goes into the study's own output folder (its ``out``): ``<out>/report.md``
+and ``<out>/figures/``; the repository's documents are written only when named (``--out``,
+``--figures``). Writes the generated part of ``--out`` between ``<!-- BEGIN GENERATED -->`` and
 ``<!-- END GENERATED -->`` (``<!-- BEGIN GENERATED name -->`` … with ``--section name``;
 text outside the markers is kept, so the written analysis survives a regeneration), and one
-PNG per partition into ``--figures``: accuracy vs round and accuracy vs cumulative bytes per
-client (log x), one column per number of clients.
+PNG per partition into ``--figures`` (`flower_dlion_app.study.plots`: each method's mean over
+its seeds with a min–max band, against the round and against the cumulative MB per client, up +
+down, log x; one column per number of clients), linked from the Markdown by a path relative to it.
 
 ``--baselines`` adds the cells of another study that match this one's clients, partitions
 and seeds; ``--reference`` adds a table of the bytes each method needs to reach that
@@ -24,12 +28,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from flower_dlion_app.study.sweep import load_study
+from flower_dlion_app.study.coverage import describe
+from flower_dlion_app.study.plots import plot_partition
+from flower_dlion_app.study.studyfile import StudyError, cell_matches, load_study
 from flower_dlion_app.study.tables import (
     bytes_to_target,
     convergence_table,
@@ -43,13 +50,17 @@ from flower_dlion_app.study.tables import (
 )
 
 __all__ = [
+    "build_parser",
     "bytes_to_target",
     "convergence_table",
+    "default_outputs",
     "load_cells",
     "local_steps",
     "main",
     "mean_std",
+    "plot_partition",
     "results_tables",
+    "setup_notes",
     "target_table",
     "trained",
     "tuning_table",
@@ -63,7 +74,9 @@ BEGIN, END = "<!-- BEGIN GENERATED -->", "<!-- END GENERATED -->"
 def load_cells(study_file: Path) -> list[dict[str, Any]]:
     """The finished cells of a study (cells not run yet are left out).
 
-    Each record gets ``label``: the strategy or variant name the tables and plots show.
+    A cell file counts if the sweep would skip it (`flower_dlion_app.study.studyfile.cell_matches`: the same
+    run config and thread count). Each record gets ``label``: the strategy or variant name the tables and
+    plots show.
     """
     out, cells = load_study(study_file)
     records = []
@@ -71,45 +84,21 @@ def load_cells(study_file: Path) -> list[dict[str, Any]]:
         path = out / "cells" / f"{cell.name}.json"
         if path.is_file():
             record = json.loads(path.read_text())
-            if record.get("key") == cell.key():
+            if cell_matches(record, cell):
                 record["label"] = cell.label
                 records.append(record)
     return records
 
 
-def plot_partition(records: list[dict[str, Any]], study: dict[str, Any], partition: str, path: Path) -> None:
-    """Accuracy vs round (top) and vs cumulative bytes per client (bottom, log x), one column per n."""
-    import matplotlib
+def default_outputs(study_file: Path) -> tuple[Path, Path]:
+    """Where a report goes unless told: ``<out>/report.md`` and ``<out>/figures``, ``out`` the study's own folder."""
+    out, _ = load_study(study_file)
+    return out / "report.md", out / "figures"
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    clients = ordered((r["num_clients"] for r in records), study["num-clients"])
-    strategies = ordered((r["label"] for r in records), study["strategies"])
-    fig, axes = plt.subplots(2, len(clients), figsize=(max(4 * len(clients), 8), 7), squeeze=False)
-    palette = plt.get_cmap("tab20").colors if len(study["strategies"]) > 10 else [f"C{i}" for i in range(10)]
-    colors = {s: palette[i % len(palette)] for i, s in enumerate(study["strategies"])}
-    for j, n in enumerate(clients):
-        for s in strategies:
-            group = [r for r in records if r["partition"] == partition and r["num_clients"] == n and r["label"] == s]
-            for k, r in enumerate(sorted(group, key=lambda g: g["seed"])):
-                ev = r["evals"]
-                kw = {"color": colors[s], "alpha": 0.9 if k == 0 else 0.4, "label": s if k == 0 else None}
-                axes[0][j].plot([e["round"] for e in ev], [e["accuracy"] for e in ev], marker=".", **kw)
-                per_client = [(e["cum_bytes_up"] + e["cum_bytes_down"]) / n for e in ev]
-                axes[1][j].plot(per_client[1:], [e["accuracy"] for e in ev][1:], marker=".", **kw)
-        axes[0][j].set_title(f"{partition}, n = {n}")
-        axes[0][j].set_xlabel("round")
-        axes[1][j].set_xlabel("cumulative bytes per client (up + down)")
-        axes[1][j].set_xscale("log")
-        for i in range(2):
-            axes[i][j].set_ylabel("test accuracy")
-            axes[i][j].grid(alpha=0.3)
-    axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+def _link(target: Path, markdown: Path) -> str:
+    """``target``'s path relative to the folder of the Markdown file that links it, with forward slashes."""
+    return Path(os.path.relpath(target.resolve(), markdown.resolve().parent)).as_posix()
 
 
 def write_report(
@@ -162,6 +151,7 @@ def write_report(
         + (f"; with the {len(extra)} matching cells of `{baselines}`" if baselines is not None else "")
         + ").\n",
         where_ran(extra + records),
+        *([notes] if (notes := setup_notes(extra + records)) else []),  # none for cells from before they existed
         results_tables(extra + records, study["study"]),
     ]
     if convergence:
@@ -178,8 +168,7 @@ def write_report(
     for part in ordered((r["partition"] for r in records), study["study"]["partitions"]):
         path = figures / f"{study_file.stem}-{part}.png"
         plot_partition(extra + records, study["study"], part, path)
-        rel = Path("figures") / path.name if figures.parent == out.parent else path
-        parts.append(f"![{part}]({rel.as_posix()})\n")
+        parts.append(f"![{part}]({_link(path, out)})\n")
     if tuning_file is not None:
         parts.append(f"### Tuning (`{tuning_file}`)\n")
         parts.append(tuning_table(load_cells(tuning_file)))
@@ -202,6 +191,46 @@ def where_ran(records: Sequence[dict[str, Any]]) -> str:
     for where, names in sorted(places.items()):
         text += f"; on {where} in {len(names)}: " + ", ".join(f"`{n}`" for n in sorted(names))
     return text + ".\n"
+
+
+def setup_notes(records: Sequence[dict[str, Any]]) -> str:
+    """What the cells recorded about how they were set up: torch threads, and partitions that left data out.
+
+    Cells written before these were recorded (no ``threads``, no ``partition_check``) are counted as such;
+    when no cell recorded either, the result is empty.
+    """
+    threads: dict[int, int] = {}
+    for r in records:
+        if "threads" in r:
+            threads[r["threads"]] = threads.get(r["threads"], 0) + 1
+    checked = [r for r in records if r.get("partition_check")]
+    if not threads and not checked:
+        return ""
+    lines = []
+    if threads:
+        counts = "; ".join(f"{t} in {k} cells" for t, k in sorted(threads.items()))
+        unrecorded = len(records) - sum(threads.values())
+        lines.append(
+            f"torch CPU threads per cell: {counts}" + (f"; not recorded in {unrecorded}" if unrecorded else "") + "."
+        )
+    if checked:
+        if lines:
+            lines.append("")  # a paragraph of its own
+        short = {}
+        for r in checked:
+            what = describe(r["partition_check"])
+            if what:
+                short.setdefault((r["partition"], r["num_clients"], r["seed"], what), []).append(r["name"])
+        unchecked = len(records) - len(checked)
+        tail = f" ({unchecked} cells ran before partitions were checked)" if unchecked else ""
+        if not short:
+            lines.append(f"Every checked cell's partitions gave each client data and each class a client{tail}.")
+        else:
+            lines.append(f"Partitions that left data out, as recorded when each cell was set up{tail}:")
+            for (part, n, seed, what), names in sorted(short.items()):
+                cells = ", ".join(f"`{name}`" for name in sorted(names))
+                lines.append(f"- {part}, n = {n}, seed {seed}: {what} ({len(names)} cells: {cells})")
+    return "\n".join(lines) + "\n"
 
 
 def markers(section: str) -> tuple[str, str]:
@@ -229,21 +258,53 @@ def write_section(out: Path, begin: str, end: str, generated: str) -> None:
     out.write_text(text)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Command-line entry point."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("study", type=Path)
-    parser.add_argument("--tuning", type=Path, help="tuning study file, reported as one table")
-    parser.add_argument("--out", type=Path, default=Path("docs/RESULTS.md"))
-    parser.add_argument("--figures", type=Path, default=Path("docs/figures"))
-    parser.add_argument("--baselines", type=Path, help="another study whose matching cells are shown too")
+def _accuracies(text: str) -> list[float]:
+    """``--targets``: comma-separated accuracies in [0, 1]."""
+    try:
+        values = [float(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        values = [-1.0]
+    if not all(0.0 <= v <= 1.0 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated accuracies in [0, 1], e.g. 0.75,0.8")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser (every option with its help text)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m flower_dlion_app.study.report", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("study", type=Path, help="the study file (TOML) whose cells are reported")
+    parser.add_argument(
+        "--tuning", type=Path, help="a tuning study file, reported as one more table (its best value in bold)"
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        metavar="FILE.md",
+        help="the Markdown file to write the generated section into (created if missing; the text outside the "
+        "section's markers is kept); default: report.md in the study's own output folder (its [study] out). The "
+        "repository's results go into docs/RESULTS.md only when named here",
+    )
+    parser.add_argument(
+        "--figures",
+        type=Path,
+        metavar="FOLDER",
+        help="the folder for the PNG figures (one per partition, named <study>-<partition>.png; the Markdown links "
+        "them relative to --out's folder); default: figures/ in the study's own output folder",
+    )
+    parser.add_argument(
+        "--baselines",
+        type=Path,
+        help="another study file whose cells at this study's clients, partitions and seeds are shown too",
+    )
     parser.add_argument(
         "--baseline-labels", default="", help="comma-separated labels of --baselines to show (default: all)"
     )
     parser.add_argument(
         "--reference",
         help="label(s), comma-separated, whose accuracy is the bytes-to-target table's target (several: the "
-        "highest on each partition)",
+        "highest on each partition); without it, no such table",
     )
     parser.add_argument(
         "--reference-metric",
@@ -251,26 +312,50 @@ def main(argv: list[str] | None = None) -> int:
         default="final",
         help="the reference's accuracy that is the target: its mean final (default) or mean best accuracy",
     )
-    parser.add_argument("--targets", default="0.75,0.8", help="fixed target accuracies (comma-separated)")
-    parser.add_argument("--convergence", action="store_true", help="add the best-accuracy / round-of-best table")
-    parser.add_argument("--section", default="", help="name of the generated section (its own markers)")
+    parser.add_argument(
+        "--targets",
+        type=_accuracies,
+        default="0.75,0.8",
+        help="fixed target accuracies of the bytes-to-target table, comma-separated (default: 0.75,0.8)",
+    )
+    parser.add_argument(
+        "--convergence", action="store_true", help="add the table of best accuracy, round of best and late gain"
+    )
+    parser.add_argument(
+        "--section",
+        default="",
+        help="name of the generated section: its own markers <!-- BEGIN GENERATED name --> … in --out, so several "
+        "reports share one file (default: the unnamed section)",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point."""
+    parser = build_parser()
     args = parser.parse_args(argv)
     command = "python -m flower_dlion_app.study.report " + " ".join(argv if argv is not None else sys.argv[1:])
-    write_report(
-        args.study,
-        args.out,
-        args.figures,
-        args.tuning,
-        command,
-        baselines=args.baselines,
-        baseline_labels=[label for label in args.baseline_labels.split(",") if label],
-        reference=args.reference.split(",") if args.reference and "," in args.reference else args.reference,
-        reference_metric=f"{args.reference_metric}_accuracy",
-        targets=[float(t) for t in args.targets.split(",") if t],
-        convergence=args.convergence,
-        section=args.section,
-    )
-    print(f"[report] wrote {args.out} and figures in {args.figures}")
+    try:
+        out, figures = default_outputs(args.study)
+        out, figures = args.out or out, args.figures or figures
+        write_report(
+            args.study,
+            out,
+            figures,
+            args.tuning,
+            command,
+            baselines=args.baselines,
+            baseline_labels=[label for label in args.baseline_labels.split(",") if label],
+            reference=args.reference.split(",") if args.reference and "," in args.reference else args.reference,
+            reference_metric=f"{args.reference_metric}_accuracy",
+            targets=args.targets,
+            convergence=args.convergence,
+            section=args.section,
+        )
+    except StudyError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"[report] wrote {out} and figures in {figures}")
     return 0
 
 

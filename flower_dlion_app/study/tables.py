@@ -70,9 +70,15 @@ def results_tables(records: list[dict[str, Any]], study: dict[str, Any]) -> str:
                     cells.append(f"{mean_std(vals)} [{len(vals)}]" if vals else "–")
                 lines.append(f"| {s} | " + " | ".join(cells) + " |")
             lines.append("")
-    lines.append("### Bytes per client over the whole run (measured on the messages; mean over cells)\n")
-    header = " | ".join(f"n = {n}: up / down MB" for n in clients)
-    lines.append(f"| strategy | rounds | {header} | up bits / param / round | local steps / round | per local step |")
+    lines.append(
+        "### Bytes per client over the whole run (MB per client, 1 MB = 10⁶ bytes, measured on the messages; "
+        "mean over cells)\n"
+    )
+    header = " | ".join(f"n = {n}: MB per client, up / down" for n in clients)
+    lines.append(
+        f"| strategy | rounds | {header} | up bits / param / round (per client) | local steps / round | "
+        "up bits / param / local step |"
+    )
     lines.append("|---|---|" + "---|" * (len(clients) + 3))
     for s in strategies:
         row, bits, steps = [], [], []

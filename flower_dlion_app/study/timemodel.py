@@ -2,9 +2,12 @@ r"""Time to accuracy under a bandwidth model, from a study's measured bytes and 
 
 Usage::
 
-    python -m flower_dlion_app.study.timemodel examples/studies/study.toml examples/studies/beyond.toml \\
-        --labels dlion-vote,global-adamw,fedavg-lr0.03,ef-sign-k40 --clients 8 --partition dirichlet-0.5 \\
-        --target 0.8 --section time-model --out docs/PERFORMANCE.md
+    python -m flower_dlion_app.study.timemodel examples/studies/study.toml examples/studies/beyond.toml \
+        --labels dlion-vote,global-adamw,fedavg-lr0.03,ef-sign-k40 --clients 8 --partition dirichlet-0.5 \
+        --target 0.8 --section time-model --out docs/PERFORMANCE.md --figure docs/figures/time-model.png
+
+Without ``--out`` and ``--figure`` the section and the plot go into the first study's own output
+folder (``<out>/report.md``, ``<out>/figures/time-model.png``), never into the repository's docs.
 
 The model: the clients of a round work in parallel, each on its own link, and a round ends
 when the average client has downloaded what the server sent it, computed, and uploaded its
@@ -23,6 +26,7 @@ both are assumptions, only bytes and compute are measured.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -30,7 +34,7 @@ from typing import Any
 
 from flower_dlion_app.study.report import load_cells, publish
 
-__all__ = ["PROFILES", "main", "modelled_times"]
+__all__ = ["PROFILES", "build_parser", "main", "modelled_times"]
 
 PROFILES = {"edge": (10e6, 10e6, 0.05), "datacenter": (1e9, 1e9, 0.0005)}  # down, up bit/s; RTT s
 
@@ -57,18 +61,52 @@ def _time_to(points: list[tuple[float, float]], target: float) -> float | None:
     return next((t for t, acc in points if acc >= target), None)
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser (every option with its help text)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m flower_dlion_app.study.timemodel",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("studies", type=Path, nargs="+", help="the study files (TOML) whose cells are modelled")
+    parser.add_argument("--labels", required=True, help="comma-separated methods (strategies or variants)")
+    parser.add_argument("--clients", type=int, required=True, help="the cells' number of clients")
+    parser.add_argument("--partition", required=True, help="the cells' partition, e.g. dirichlet-0.5")
+    parser.add_argument(
+        "--target", type=float, default=0.8, help="the accuracy whose modelled time is tabulated (default: 0.8)"
+    )
+    parser.add_argument(
+        "--section", default="time-model", help="name of the generated section in --out (default: time-model)"
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        metavar="FILE.md",
+        help="the Markdown file to write the section into (the text outside the section's markers is kept); "
+        "default: report.md in the first study's own output folder (its [study] out)",
+    )
+    parser.add_argument(
+        "--figure",
+        type=Path,
+        help="the PNG file of the plot (linked from --out by a path relative to it); default: "
+        "figures/time-model.png in the first study's own output folder",
+    )
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("studies", type=Path, nargs="+")
-    parser.add_argument("--labels", required=True, help="comma-separated methods (strategies or variants)")
-    parser.add_argument("--clients", type=int, required=True)
-    parser.add_argument("--partition", required=True)
-    parser.add_argument("--target", type=float, default=0.8)
-    parser.add_argument("--section", default="time-model")
-    parser.add_argument("--out", type=Path, default=Path("docs/PERFORMANCE.md"))
-    parser.add_argument("--figure", type=Path, default=Path("docs/figures/time-model.png"))
+    parser = build_parser()
     args = parser.parse_args(argv)
+    from flower_dlion_app.study.studyfile import StudyError, load_study
+
+    try:
+        study_out = load_study(args.studies[0])[0]
+    except StudyError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    out = args.out or study_out / "report.md"
+    figure_path = args.figure or study_out / "figures" / "time-model.png"
     labels = args.labels.split(",")
     records = [
         r
@@ -108,16 +146,16 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(row)
     axes[0].set_ylabel(f"test accuracy ({args.partition}, n = {args.clients}, first seed)")
     axes[-1].legend(fontsize=8)
-    args.figure.parent.mkdir(parents=True, exist_ok=True)
+    figure_path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(args.figure, dpi=110)
+    fig.savefig(figure_path, dpi=110)
     command = "python -m flower_dlion_app.study.timemodel " + " ".join(argv if argv is not None else sys.argv[1:])
     header = (
         f"Generated by `{command}` ({len(records)} cells; time to target = mean over the seeds "
         "that reached it, [reached/run]).\n"
     )
-    figure = f"![time model]({(Path('figures') / args.figure.name).as_posix()})\n"
-    publish(args.out, args.section, [header, "\n".join(lines) + "\n", figure])
+    link = Path(os.path.relpath(figure_path.resolve(), out.resolve().parent)).as_posix()
+    publish(out, args.section, [header, "\n".join(lines) + "\n", f"![time model]({link})\n"])
     return 0
 
 
