@@ -105,6 +105,7 @@ __all__ = [
     "CODED_STYPE",
     "CONFIG",
     "CONTROL",
+    "EXPLAINED_FLIPS",
     "GRAD_CONFIG",
     "GRAD_METRICS",
     "GRAD_MODEL",
@@ -116,6 +117,7 @@ __all__ = [
     "METRICS",
     "MOMENTUM",
     "OPTIONAL_REPLY_METRICS",
+    "OTHER_APP",
     "REST",
     "SECURE",
     "SEED_MISMATCH",
@@ -153,12 +155,20 @@ SEED_MISMATCH = "x0 built from seed"  # in a client's error when its x₀ differ
 SIGN_STYPE = "dlion.sign1"
 LEVELS_STYPE = "dlion.levels"
 CODED_STYPE = "dlion.coded"  # entropy-coded count segments (flower_dlion.entropy), back to back
+OTHER_APP = (  # what a node that runs another app's code most likely means (error texts on both sides)
+    "a local SuperLink left running by an earlier `flwr run` (from another directory or Python "
+    "environment) serves this run with that environment's packages, or an editable install of another "
+    "app with the same package name shadows this app's files. Stop your own SuperLink (its command line "
+    'holds your FLWR_HOME: pkill -f "$FLWR_HOME/local-superlink"), or give each app its own FLWR_HOME '
+    "and ports (FLWR_LOCAL_SUPERLINK_HTTP_API_PORT, FLWR_LOCAL_CONTROL_API_PORT), as scripts/run.sh does"
+)
 MASKED_STYPE = "dlion.masked"  # secure aggregation: b bit planes of the signs plus pairwise masks (flower_dlion.secure)
 SECURE = "dlion.secure"  # secure aggregation's records: the round's peers (train), setup and unmask queries
 REPLY_METRICS = ("num-examples", "train-loss", "version", "checksum")
 # coin-flips: signs sent as coin flips (exact zeros of the Lion mix); context: the version whose two last Δs
 # the client holds (the next Δ can be coded with them), a short key: it rides on every reply
-OPTIONAL_REPLY_METRICS = ("coin-flips", "context")
+EXPLAINED_FLIPS = ("coin-flips-tensor", "coin-flips-share", "coin-flips-cause")  # flower_dlion.coin_flips
+OPTIONAL_REPLY_METRICS = ("coin-flips", "context", *EXPLAINED_FLIPS)
 STATE_KEY = re.compile(r"[A-Za-z0-9_-]{1,64}")  # a run's key names its clients' state folder: no separators, no ".."
 
 

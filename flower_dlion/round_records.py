@@ -24,14 +24,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from flwr.app import ConfigRecord, MetricRecord, RecordDict
 
 from .protocol import (
+    CONFIG,
+    EXPLAINED_FLIPS,
     METRICS,
     OPTIONAL_REPLY_METRICS,
+    OTHER_APP,
     REPLY_METRICS,
     STATE_KEY,
     ClientStateError,
@@ -162,6 +165,24 @@ class RoundConfig:
         cfg._check_together(node_id, max_batches)
         return cfg
 
+    @classmethod
+    def read(cls, content: RecordDict, node_id: int, *, max_batches: int = MAX_BATCHES) -> RoundConfig:
+        """:meth:`parse` of a train message's ``dlion.config``; a message without one is not DistributedLion's.
+
+        Raises
+        ------
+        ClientStateError
+            No ``dlion.config`` (naming the records the message has, and what may send them), or
+            what :meth:`parse` refuses.
+
+        """
+        if CONFIG not in content:
+            raise ClientStateError(
+                f"node {node_id}: a train message with records {sorted(content.keys())}, not DistributedLion's "
+                f"'{CONFIG}': does the ServerApp start DistributedLion? If it does, {OTHER_APP}"
+            )
+        return cls.parse(content[CONFIG], node_id, max_batches=max_batches)
+
     def _check_together(self, node_id: int, max_batches: int) -> None:
         where = f"node {node_id}: the server's round {self.server_round} config"
         work = self.local_steps * self.accumulate
@@ -215,6 +236,9 @@ class ReplyMetrics:
         Signs sent as coin flips (exact zeros of the Lion mix).
     context : int | None
         The version whose two last Δs the node holds (the next Δ can be coded with them); None: none.
+    flips_explained : dict
+        Where the coin flips come from (:func:`flower_dlion.coin_flips.explain`'s ``coin-flips-*``
+        metrics), when there are many; empty otherwise.
 
     """
 
@@ -224,6 +248,7 @@ class ReplyMetrics:
     checksum: int
     coin_flips: int = 0
     context: int | None = None
+    flips_explained: Mapping[str, int | float] = field(default_factory=dict)
 
     def to_record(self) -> MetricRecord:
         """The reply's MetricRecord (``context`` only where there is one)."""
@@ -236,7 +261,7 @@ class ReplyMetrics:
         }
         if self.context is not None:
             out["context"] = self.context
-        return MetricRecord(out)
+        return MetricRecord(out | dict(self.flips_explained))
 
     @classmethod
     def from_record(cls, content: RecordDict) -> ReplyMetrics:
@@ -252,6 +277,7 @@ class ReplyMetrics:
             checksum=int(values["checksum"]),
             coin_flips=int(values.get("coin-flips", 0)),
             context=None if "context" not in values else int(values["context"]),
+            flips_explained={k: values[k] for k in EXPLAINED_FLIPS if k in values},
         )
 
 

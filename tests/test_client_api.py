@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from flower_dlion import DistributedLion, DLionClient
 from flower_dlion.bounds import robust_buffers
 from flower_dlion.clients import dlion as dlion_module
-from flower_dlion.clients.state import STATE_ARRAYS, STATE_REST
+from flower_dlion.clients.state import STATE_ARRAYS, STATE_REST, ClientStateError
 from flower_dlion.params import Entry, ModelSpec
 from flower_dlion_app.client_app import app as repo_app
 from flower_dlion_app.config import read_config
@@ -184,9 +184,26 @@ def test_a_clientapp_without_dlionclient_is_told_what_to_add() -> None:
     def train(msg: Message, context: Context) -> Message:
         raise AssertionError("never called")
 
-    # Execute / Assert: the run stops before round 1 and says what to add
-    with pytest.raises(ValueError, match=r"node 1000: its ClientApp has no DLionClient to answer the hello: add"):
+    # Execute / Assert: the run stops before round 1, says what to add, and names the other likely
+    # cause (the node runs another app's code: a SuperLink left running by another `flwr run`)
+    with pytest.raises(
+        ValueError, match=r"node 1000: its ClientApp has no DLionClient to answer the hello: add"
+    ) as err:
         DistributedLion().start(LocalGrid(app, 2), initial_arrays(), num_rounds=1)
+    assert "If it has one, the node runs another app's code: a local SuperLink left running" in str(err.value)
+    assert 'pkill -f "$FLWR_HOME/local-superlink"' in str(err.value)
+
+
+def test_a_train_message_from_another_strategy_says_what_may_run_here() -> None:
+    # Prepare: a FedAvg train message (Flower's "arrays" and "config") sent to a DLionClient
+    context = Context(run_id=1, node_id=7, node_config={}, state=RecordDict(), run_config={})
+    msg = Message(
+        RecordDict({"arrays": initial_arrays(), "config": ConfigRecord()}), dst_node_id=7, message_type="train"
+    )
+    # Execute / Assert: refused, naming what it got and both causes
+    with pytest.raises(ClientStateError, match=r"node 7: a train message with records \['arrays', 'config'\]") as err:
+        DLionClient(ClientApp(), ByomNet).train(msg, context, [])
+    assert "does the ServerApp start DistributedLion? If it does, a local SuperLink left running" in str(err.value)
 
 
 class _Wider(ByomNet):
@@ -422,35 +439,6 @@ def test_an_empty_batch_source_is_a_clear_error(caplog: pytest.LogCaptureFixture
     # Assert
     assert strategy.history[0]["num-rejected"] == 2
     assert "batches is empty: the round needs at least one batch" in caplog.text
-
-
-def test_coin_flips_of_a_relu_model_are_counted_and_said_once(caplog: pytest.LogCaptureFixture) -> None:
-    # Prepare: a ReLU layer whose 32 units are all off (bias −100): their weights get exactly zero gradients
-    def model_fn() -> nn.Module:
-        model = nn.Sequential(nn.Flatten(), nn.Linear(784, 32), nn.ReLU(), nn.Linear(32, 10))
-        nn.init.constant_(model[1].bias, -100.0)
-        return model
-
-    app = ClientApp()
-    client = DLionClient(app, model_fn)
-
-    @app.train()
-    def train(msg: Message, context: Context) -> Message:
-        return client.train(msg, context, DataLoader(byom.partition(context.node_config["partition-id"], 4), 32))
-
-    torch.manual_seed(0)
-    grid = LocalGrid(app, 2)
-    strategy = DistributedLion(lr=1e-3)
-    caplog.set_level(logging.WARNING, logger="flwr")
-    # Execute
-    strategy.start(grid, ArrayRecord(model_fn().state_dict()), num_rounds=3)
-    # Assert: the dead layer's 784·32 + 32 values and the second layer's 32·10 weights have no gradient,
-    # m stays 0 there, so every one of them is a coin flip in every round; only the last bias moves
-    d = strategy.num_parameters
-    dead = 784 * 32 + 32 + 32 * 10
-    assert [h["coin-flip-fraction"] for h in strategy.history] == [pytest.approx(dead / d)] * 3
-    said = [r.getMessage() for r in caplog.records if "of the uploaded signs were coin flips" in r.getMessage()]
-    assert len(said) == 1 and said[0].startswith("round 1: 100.0 %")
 
 
 def test_a_train_message_of_another_strategy_is_named() -> None:

@@ -283,6 +283,16 @@ def test_a_secure_round_gives_the_plain_delta_bit_for_bit_with_dropouts_after_ma
     assert set(strategy.secure_rounds.epochs.values()) == {0}
 
 
+def test_the_secure_mode_the_readme_gives_for_non_iid_data_matches_the_plain_run() -> None:
+    # Execute: FedSMU's mode (the mean of 1-bit signs of 4 local SGD steps), plain and secure
+    kwargs = {"aggregation": "mean", "local_optimizer": "sgd", "local_steps": 4, "local_lr": 0.03, "lr": 0.003,
+              "weight_decay": 0.1, "init_seed": 0}  # fmt: skip
+    plain, _, _ = _run(False, 4, 2, key="smu-plain", **kwargs)
+    secure, history, _ = _run(True, 4, 2, key="smu-secure", **kwargs)
+    # Assert: the same x, every round applied
+    assert secure == plain and [h["applied"] for h in history] == [1, 1]
+
+
 def test_secure_rounds_with_partial_participation_and_a_resume_match_the_plain_run() -> None:
     # Execute: 6 nodes, 4 sampled a round (the participants change); secure run resumed after round 2
     plain, plain_history, _ = _run(False, 6, 4, key="pp-plain", fraction_train=0.67)

@@ -55,17 +55,19 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from torch import nn
 
+from ..coin_flips import EXPLAIN_ABOVE, explain
 from ..params import Binding, LossFn, cross_entropy_loss, layout_fingerprint
 from ..protocol import (
-    CONFIG,
     HELLO,
     HELLO_ACTION,
     METRICS,
+    OTHER_APP,
     SECURE,
     UPLOAD,
     to_array,
 )
 from ..round_records import ReplyMetrics, RoundConfig, hello_keys
+from .app_source import foreign_code
 from .link import ContextChoice, DecodeCost
 from .local_work import LocalWork, Tamper, adopt_momentum, age_momentum, round_generator, round_seed, upload_arrays
 from .placement import Placement
@@ -188,6 +190,8 @@ class DLionClient:
         """Say who this node is, what replica version it can start from and what its model holds (or secure keys)."""
         if SECURE in msg.content:
             return Message(content=RecordDict({SECURE: answer_query(msg.content[SECURE], context)}), reply_to=msg)
+        if (why := foreign_code(self.model_fn)) is not None:  # another app's copy of this package runs here
+            raise ClientStateError(f"node {context.node_id}: this node runs another app's code ({why}): {OTHER_APP}")
         settings = self.settings(context)
         here = self._on(resolve_device(settings.device), settings)
         spec = here.bound.spec
@@ -233,7 +237,7 @@ class DLionClient:
         settings = self.settings(context)
         here = self._on(resolve_device(settings.device), settings)
         spec = here.bound.spec
-        cfg = self._read_config(msg, context, settings)
+        cfg = RoundConfig.read(msg.content, context.node_id, max_batches=settings.max_batches)  # DistributedLion's?
         check_train(msg.content, cfg.secure, cfg.state_key, cfg.server_round, context)  # no plain signs in a secure run
         store, owner = self._store(context, spec.d, cfg.state_key, cfg.as_of, cfg.keep_round)
         choice = self._choice(owner, settings, context)
@@ -262,16 +266,6 @@ class DLionClient:
             if held is not None:
                 here.pool.release(held)
         return reply
-
-    @staticmethod
-    def _read_config(msg: Message, context: Context, settings: ClientSettings) -> RoundConfig:
-        """The round's options, checked (:class:`RoundConfig`), from a message that must be DistributedLion's."""
-        if CONFIG not in msg.content:
-            raise ClientStateError(
-                f"node {context.node_id}: a train message with records {sorted(msg.content.keys())}, not "
-                f"DistributedLion's '{CONFIG}': does the ServerApp start DistributedLion?"
-            )
-        return RoundConfig.parse(msg.content[CONFIG], context.node_id, max_batches=settings.max_batches)
 
     @staticmethod
     def _catch_up(msg: Message, cfg: RoundConfig, node: NodeState | None, env: Apply, store: StateStore) -> NodeState:
@@ -339,12 +333,15 @@ class DLionClient:
         if SECURE in msg.content:  # the signs (and buffers) under the round's pairwise masks
             arrays = mask_upload(arrays, msg.content[SECURE], context, spec, server_round)
         node.round = server_round
+        flipped = sum(flips)  # many (sign upload): the client says where they are (flower_dlion.coin_flips)
+        explained = flipped > EXPLAIN_ABOVE * spec.d and cfg.upload == "sign"
         metrics = ReplyMetrics(
             num_examples=work.num_examples,
             train_loss=sum(work.losses) / len(work.losses),
             version=node.version,
             checksum=node.replica.checksum,
-            coin_flips=sum(flips),
+            coin_flips=flipped,
+            flips_explained=explain(node.m, node.replica.x, spec.layout) if explained else {},
         )
         return Message(content=RecordDict({UPLOAD: ArrayRecord(arrays), METRICS: metrics.to_record()}), reply_to=msg)
 

@@ -31,9 +31,11 @@ from flwr.supercore import log
 
 from .. import codec, quantizers
 from ..bounds import mean_buffers, median_momentum, moment_count, robust_buffers
+from ..coin_flips import CAUSES, WARN_ABOVE
 from ..downlink import levels_to_signs
 from ..protocol import (
     CLIENT_STATE_ERROR,
+    EXPLAINED_FLIPS,
     MASKED_STYPE,
     METRICS,
     OPTIONAL_REPLY_METRICS,
@@ -56,9 +58,7 @@ from .server_state import Broadcast, Round, ServerState, Unmasked, ValidReply
 if TYPE_CHECKING:
     from .views import ModelView
 
-__all__ = ["COIN_FLIP_WARNING", "Applied", "RoundCounts", "Uplink"]
-
-COIN_FLIP_WARNING = 0.05  # warn once when more than this share of the uploaded signs are coin flips
+__all__ = ["Applied", "RoundCounts", "Uplink"]
 
 
 @dataclass
@@ -183,6 +183,7 @@ class Uplink:
         flips = values.get("coin-flips", 0)
         if not (isinstance(flips, int) and 0 <= flips <= d):
             raise RejectedReply(f"metric 'coin-flips' is {flips!r}, expected an integer in [0, {d}]")
+        self._check_explained(values)
         if values["version"] != rnd.base_version:
             raise RejectedReply(
                 f"replica at version {values['version']}, expected {rnd.base_version}: full resync next round",
@@ -364,20 +365,37 @@ class Uplink:
             "clipped-scales": counts.clipped,
         }
 
+    def _check_explained(self, values: dict[str, float]) -> None:
+        """The ``coin-flips-*`` metrics (:mod:`flower_dlion.coin_flips`), when present: in their ranges."""
+        tensors = len(self.model.layout)
+        tensor, share, cause = (values.get(k) for k in EXPLAINED_FLIPS)
+        if tensor is not None and not (isinstance(tensor, int) and 0 <= tensor < tensors):
+            raise RejectedReply(f"metric 'coin-flips-tensor' is {tensor!r}, expected an integer in [0, {tensors})")
+        if share is not None and not 0.0 <= share <= 1.0:
+            raise RejectedReply(f"metric 'coin-flips-share' is {share!r}, expected a number in [0, 1]")
+        if cause is not None and cause not in CAUSES:
+            raise RejectedReply(f"metric 'coin-flips-cause' is {cause!r}, expected one of {sorted(CAUSES)}")
+
     def _coin_flip_fraction(self, valid: list[ValidReply], server_round: int) -> float:
-        """The share of the uploaded signs that were coin flips; warns once when it is large."""
+        """The share of the uploaded signs that were coin flips; warns once a run when it is large, naming the cause."""
         d, n = self.model.num_parameters, len(valid)
         flip_fraction = sum(r.values.get("coin-flips", 0) for r in valid) / (d * n) if n else 0.0
-        if flip_fraction > COIN_FLIP_WARNING and not self.told_flips:
+        if flip_fraction > WARN_ABOVE and not self.told_flips:
             self.told_flips = True
+            explained = [r.values for r in valid if "coin-flips-cause" in r.values]
+            where = ""
+            if explained:  # the client with the most flips: its tensor and cause
+                most = max(explained, key=lambda v: v.get("coin-flips", 0))
+                name = self.model.layout[int(most["coin-flips-tensor"])][0]
+                share, cause = most["coin-flips-share"], CAUSES[int(most["coin-flips-cause"])]
+                where = f"; {100 * share:.0f} % of a client's are in '{name}': likely {cause}"
             log(
                 WARNING,
                 "round %d: %.1f %% of the uploaded signs were coin flips: exact zeros of β₁·m + (1−β₁)·g, which "
-                "1 bit cannot carry; those coordinates move by ±lr at random (metric coin-flip-fraction). Zero "
-                "gradients come from ReLU units inactive on a whole batch (SiLU/GELU or a larger batch avoid it) "
-                "and from input features that are always 0 (e.g. blank border pixels), whose first-layer weights "
-                "then only drift and decay: harmless, but worth dropping those inputs",
+                "1 bit cannot carry; those coordinates move by ±lr at random (metric coin-flip-fraction; said "
+                "once a run)%s",
                 server_round,
                 100 * flip_fraction,
+                where,
             )
         return flip_fraction

@@ -24,7 +24,7 @@ from flwr.serverapp import Grid
 from flwr.supercore import log
 
 from ..params import LayoutError, ModelSpec
-from ..protocol import HELLO, HELLO_ACTION, RejectedReply, error_text
+from ..protocol import HELLO, HELLO_ACTION, OTHER_APP, RejectedReply, error_text
 from .run_stops import RunStopped, nodes_text, short_reason, whole_reason
 
 __all__ = ["HELLO_TYPE", "HelloHooks", "Nodes", "described_model"]
@@ -33,7 +33,8 @@ HELLO_TYPE = f"{MessageType.QUERY}.{HELLO_ACTION}"
 
 _NO_CLIENT = (
     "its ClientApp has no DLionClient to answer the hello: add `dlion = DLionClient(app, Net)` "
-    "to your client_app.py and call `dlion.train(msg, context, batches)` in its train handler"
+    "to your client_app.py and call `dlion.train(msg, context, batches)` in its train handler. If it "
+    f"has one, the node runs another app's code: {OTHER_APP}"
 )
 
 
