@@ -33,7 +33,9 @@ import torch
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 
 from flower_dlion import accel, codec, lion
+from flower_dlion.clients.placement import Crossings
 from flower_dlion_app.client_app import app as client_app
+from flower_dlion_app.client_app import dlion
 from flower_dlion_app.local_grid import LocalGrid
 from flower_dlion_app.model import Net
 from flower_dlion_app.server_app import run_federation
@@ -60,12 +62,15 @@ def federation_copies(clients: int, rounds: int, settings: dict) -> None:
         if not cfg.get("state-in-context", True):  # the state in files alone: a folder for them
             cfg["client-state-dir"] = f"{tmp}/state"
         grid = LocalGrid(client_app, clients, run_config=cfg)
+        for here in dlion._devices.values():  # what earlier federations counted
+            here.placement.crossings.take()
         acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=acts) as prof:
             run_federation(grid, cfg, save_model=False)
         prof.export_chrome_trace(f"{tmp}/trace.json")
         found = copies(Path(f"{tmp}/trace.json"))
         summary = json.loads((Path(tmp) / "summary.json").read_text())
+        counted = [here.placement.crossings.take() for here in dlion._devices.values()]
     messages = clients * rounds
     names = {codec.packed_size(d): "packed signs ⌈d/8⌉", 4 * d: "float32 d-vector (x or m)", 2 * d: "bf16 m"}
     print("| direction | bytes per copy | what (by size) | copies per message | bytes per message |")
@@ -78,6 +83,22 @@ def federation_copies(clients: int, rounds: int, settings: dict) -> None:
     for kind, total in sorted(totals.items()):
         print(f"| **{kind} total** | | | | **{total / messages:,.0f}** ({total / messages / (4 * d):.2f}× 4d) |")
     print(f"\n({messages} messages, {rounds} rounds; final accuracy {summary['final_accuracy']:.3f})")
+    print_counted(counted, messages, d)
+
+
+def print_counted(counted: list[Crossings], messages: int, d: int) -> None:
+    """What ``Placement.crossings`` counted (the client's state and replicas; not the upload, batches, scalars)."""
+    down: collections.Counter[str] = collections.Counter()
+    up: collections.Counter[str] = collections.Counter()
+    for c in counted:
+        down.update(c.to_device)
+        up.update(c.to_host)
+    print("\nCounted by Placement.crossings (HtoD / DtoH above add the upload, batches, scalars):\n")
+    print("| direction | purpose | bytes per message | × 4d |")
+    print("|---|---|---|---|")
+    for kind, found in (("HtoD", down), ("DtoH", up)):
+        for label, nbytes in sorted(found.items()):
+            print(f"| {kind} | {label} | {nbytes / messages:,.0f} | {nbytes / messages / (4 * d):.2f} |")
 
 
 def timeit(fn: Callable[..., object], args: tuple, repeat: int) -> float:

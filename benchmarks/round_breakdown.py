@@ -42,12 +42,13 @@ os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 
 from flower_dlion import codec, lion, params
 from flower_dlion.clients import dlion as dlion_client
-from flower_dlion.clients import fedavg as fedavg_client
-from flower_dlion.clients import gradient as gradient_client
-from flower_dlion.clients import state
+from flower_dlion.clients import state_store
+from flower_dlion.strategies import aggregation, downlink_messages
 from flower_dlion.strategies import dlion as dlion_strategy
-from flower_dlion.strategies import global_opt
 from flower_dlion_app import local_grid, metering, server_app
+from flower_dlion_app.clients import fedavg as fedavg_client
+from flower_dlion_app.clients import gradient as gradient_client
+from flower_dlion_app.strategies import global_opt
 
 EXCLUSIVE: dict[str, float] = defaultdict(float)
 _stack: list[list[float]] = []  # per open timer: [time spent in nested timers]
@@ -89,11 +90,11 @@ def instrument() -> None:
     patch(codec, "pack_local_step_", "client Lion/codec")
     patch(gradient_client, "encode_terngrad", "client Lion/codec")
     for name in ("load", "save"):
-        patch(state.StateStore, name, "client state (de)serialization")
+        patch(state_store.StateStore, name, "client state (de)serialization")
     for name in ("context_to_proto", "context_from_proto"):
         patch(local_grid, name, "client state (de)serialization")
     patch(local_grid, "_roundtrip", "message (de)serialization")
-    for mod in (dlion_strategy, metering):
+    for mod in (downlink_messages, aggregation, metering):
         patch(mod, "message_bytes", "byte measurement")
     for cls in (dlion_strategy.DistributedLion, global_opt.GlobalOptimizer):
         patch(cls, "configure_train", "server strategy")

@@ -48,6 +48,7 @@ __all__ = [
     "context_of",
     "decode_segment",
     "levels_to_signs",
+    "next_context",
     "step_counts",
 ]
 
@@ -68,6 +69,13 @@ def levels_to_signs(levels: torch.Tensor, num_levels: int) -> torch.Tensor:
 def context_of(signs: np.ndarray, previous: np.ndarray) -> np.ndarray:
     """The context after a Δ: ``3·(L + 1) + (previous context // 3)`` (uint8, 0–8)."""
     return ((signs.astype(np.int16) + 1) * 3 + previous // 3).astype(np.uint8)
+
+
+def next_context(levels: np.ndarray, num_levels: int, previous: np.ndarray) -> np.ndarray:
+    """:func:`context_of` from a vote's levels (L + 1 = 2·level for 2 levels, level for 3), in two uint8 passes."""
+    out = previous // 3
+    out += levels.astype(np.uint8, copy=False) * np.uint8(6 if num_levels == 2 else 3)
+    return out
 
 
 @dataclass
@@ -135,16 +143,19 @@ def step_counts(
     *,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     scratch: torch.Tensor | None = None,
+    levels: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One Δ given as packed levels on the replica's device: ``C' = C + L`` and ``x' = γ·xₐ − η·C'``.
 
     Exactly ``anchored(anchor, counts + L, decay, step)`` with ``L = levels_to_signs(levels)``,
     bit for bit; ``anchor`` and ``counts`` are read, not changed. ``out``: (counts', x') buffers
     to write into (a client reuses the buffers of a replica it no longer needs: a fresh 4-byte
-    tensor per value costs page faults, about as much as the arithmetic); ``scratch``: a float
-    buffer like x for η·C'. A level that cannot occur (a trit5 byte above 242) raises
-    ``ValueError`` (the inputs are untouched; the outputs are then no replica). Where
-    :mod:`flower_dlion.accel` has a fused pass (numba on the CPU, from 2²⁰ values), it runs.
+    tensor per value costs page faults, about as much as the arithmetic); counts' may be
+    ``counts`` itself (C updated in place: the server's). ``scratch``: a float buffer like x for
+    η·C'. ``levels``: the packed levels already decoded (uint8 or int32; the server has them),
+    which the composition then does not decode again. A level that cannot occur (a trit5 byte
+    above 242) raises ``ValueError`` (the inputs are untouched; the outputs are then no replica).
+    Where :mod:`flower_dlion.accel` has a fused pass (numba on the CPU, from 2²⁰ values), it runs.
     """
     d = counts.numel()
     fusable = anchor.dtype == torch.float32 and counts.dtype == torch.int32 and anchor.is_contiguous()
@@ -152,7 +163,8 @@ def step_counts(
         done = fast(anchor, counts, packed, num_levels, decay, step, out=out, scratch=scratch, anchored=anchored)
         if done is not None:  # one pass; None: the kernel would round otherwise than ``anchored`` here
             return done
-    levels = codec.decode_levels(packed, num_levels, d, torch.uint8)
+    if levels is None or levels.dtype not in (torch.uint8, torch.int32):
+        levels = codec.decode_levels(packed, num_levels, d, torch.uint8)
     new_counts, x = out if out is not None else (torch.empty_like(counts), torch.empty_like(anchor))
     if num_levels == 2:  # L = 2·bit − 1
         torch.add(counts, levels, alpha=2, out=new_counts)
@@ -264,18 +276,33 @@ class AnchoredHistory:
         return anchored(self.anchor, self.counts, self.epoch.decay_at(self.version), self.epoch.step)
 
     def apply(self, signs: torch.Tensor, num_levels: int, packed: bytes) -> torch.Tensor:
-        """One round: C += L, a new version, maybe a new anchor. Returns x (a new tensor)."""
+        """One round of L = ``signs``: :meth:`apply_levels` of its levels. Returns x (a new tensor)."""
+        if num_levels not in (2, 3):
+            raise ValueError(f"the anchored downlink takes a vote (2 or 3 levels), got {num_levels} levels")
+        levels = signs.to(torch.int32).add(1)  # L + 1: the level (3 levels) or twice it (2)
+        return self.apply_levels(
+            levels.div_(2, rounding_mode="floor") if num_levels == 2 else levels, num_levels, packed
+        )
+
+    def apply_levels(
+        self, levels: torch.Tensor, num_levels: int, packed: bytes, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """One round of a vote's ``levels`` (``packed``: their encoding): C += L, a new version, maybe a new anchor.
+
+        Returns x, written into ``out`` (the strategy's x; None: a new tensor): :meth:`x` of the new
+        C, bit for bit, in one pass where :func:`step_counts` has a fused one.
+        """
         assert self.counts is not None
-        self.counts += signs.to(torch.int32)
         self.version += 1
         self._cache.clear()
         self.deltas[self.version] = (num_levels, packed)
-        d = signs.numel()
-        s = signs.numpy()
         self.previous_context = self.context
-        prev = self.context if self.context is not None else np.full(d, 4, np.uint8)
-        self.context = context_of(s, prev)
-        x = self.x()
+        prev = self.context if self.context is not None else np.full(levels.numel(), 4, np.uint8)
+        self.context = next_context(levels.numpy(), num_levels, prev)
+        out = torch.empty_like(self.anchor) if out is None else out
+        decay, step = self.epoch.decay_at(self.version), self.epoch.step
+        _, x = step_counts(self.anchor, self.counts, codec.as_uint8(packed), num_levels, decay, step,
+                           out=(self.counts, out), levels=levels)  # fmt: skip
         epoch = self.epoch
         if self.version - epoch.start >= self.anchor_every:  # a new anchor at x
             self.snapshots[self.version] = _compact(self.counts.numpy())

@@ -6,6 +6,7 @@ on the wire). Flower's own simulation engine runs the same app in tests/test_exa
 
 import logging
 import math
+import socket
 from pathlib import Path
 
 import numpy as np
@@ -19,8 +20,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from flower_dlion import DistributedLion, DLionClient
 from flower_dlion.bounds import robust_buffers
-from flower_dlion.clients import dlion as dlion_module
+from flower_dlion.clients import state_home
 from flower_dlion.clients.state import STATE_ARRAYS, STATE_REST, ClientStateError
+from flower_dlion.clients.state_store import STATE_WHERE
 from flower_dlion.params import Entry, ModelSpec
 from flower_dlion_app.client_app import app as repo_app
 from flower_dlion_app.config import read_config
@@ -312,12 +314,11 @@ def test_nodes_without_a_partition_id_are_known_by_their_node_id(tmp_path: Path)
     assert names == ["anchors"] + [f"node-{n}" for n in grid.node_ids]  # the anchors: one file per anchor, shared
 
 
-def test_a_model_too_large_for_the_context_keeps_its_state_in_files(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+def test_by_default_the_state_goes_to_files_and_the_context_says_where(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    # Prepare: files from 10⁵ trainable values up (the default threshold is 2²⁰)
-    monkeypatch.setattr(dlion_module, "AUTO_FILES_FROM", 100_000)
-    monkeypatch.setattr(dlion_module, "default_state_dir", lambda: tmp_path)
+    # Prepare: the library's defaults (no state_dir, no state_in_context), the default folder here
+    monkeypatch.setattr(state_home, "default_state_dir", lambda: tmp_path)
     app = ClientApp()
     client = DLionClient(app, ByomNet)
 
@@ -327,15 +328,15 @@ def test_a_model_too_large_for_the_context_keeps_its_state_in_files(
 
     grid = LocalGrid(app, 2, run_id=9)
     strategy = DistributedLion(lr=1e-3)
-    caplog.set_level(logging.WARNING, logger="flower_dlion")
     # Execute
     strategy.start(grid, initial_arrays(), num_rounds=3)
-    # Assert: said once, no state in any context, the newest round's file per node, and training went on
-    said = [
-        r for r in caplog.records if "406794 trainable values: the client keeps x and m in state files" in r.message
-    ]
-    assert len(said) == 1
-    assert all(not grid.context(n).state for n in grid.node_ids)
+    # Assert: each context holds only where its files are (round, machine, folder); the newest rounds' files
+    for pid, n in enumerate(grid.node_ids):
+        state = grid.context(n).state
+        assert list(state.keys()) == [STATE_WHERE]
+        where = dict(state[STATE_WHERE])
+        folder = tmp_path / strategy.run_key / f"partition-{pid}"
+        assert where == {"round": 3, "host": socket.gethostname(), "folder": str(folder)}
     client.wait()  # the last round's files are written after the replies
     for pid in (0, 1):  # two slots a node, written in turn: rounds 2 and 3
         assert rounds_in(tmp_path / strategy.run_key / f"partition-{pid}") == [2, 3]

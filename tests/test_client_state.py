@@ -346,8 +346,8 @@ def test_a_damaged_state_file_is_refused_named_and_the_node_resyncs(
 def test_a_poisoned_state_in_the_context_is_refused_and_the_node_resyncs(
     caplog: pytest.LogCaptureFixture, change, reason: str
 ) -> None:
-    # Prepare: 2 rounds; then node 1000's context holds a changed state
-    app, _ = byom_app(state_in_context=True)
+    # Prepare: 2 rounds; then node 1000's context holds a changed state, read by a new process (nothing held)
+    app, client = byom_app(state_in_context=True)
     strategy, grid = run(app, 2, nodes=2)
     ctx = grid.context(1000)
     host = load(ctx).host
@@ -355,6 +355,7 @@ def test_a_poisoned_state_in_the_context_is_refused_and_the_node_resyncs(
     change(host)
     save_state(ctx, host)
     grid.set_context(1000, ctx)
+    client._devices.clear()  # a process that holds the replica would use its own x, never the changed counts
     caplog.set_level(logging.WARNING, logger="flwr")
     caplog.set_level(logging.WARNING, logger="flower_dlion")
     # Execute

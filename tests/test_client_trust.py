@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 import subprocess
 import sys
 import tempfile
@@ -296,7 +297,8 @@ def test_a_deleted_truncated_or_poisoned_state_file_resyncs_the_node(
     else:
         assert any(
             f"node 1000 has no replica (new node, or its state was lost) but received kind='counts'; the "
-            f"server must send the full model (its state: {folder} (no state there))" in m
+            f"server must send the full model (its state: {folder} (no state there; its round 2 state went to "
+            f"{folder} on {socket.gethostname()}, this machine: deleted since?; it resyncs))" in m
             for m in messages
         )
     assert [h["num-replies"] for h in strategy.history[2:]] == [1, 2, 2]

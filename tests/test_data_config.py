@@ -150,8 +150,7 @@ def test_read_config_checks_values() -> None:
         read_config({"batch-size": "64"})
     with pytest.raises(ValueError, match="'fraction-train' must be in \\(0, 1\\]"):
         read_config({"fraction-train": 1.5})
-    with pytest.raises(ValueError, match="'state-in-context' = false keeps the clients' state in files only: set"):
-        read_config({"state-in-context": False})
-    assert not read_config({"state-in-context": False, "client-state-dir": "/tmp/s"})["state-in-context"]
+    assert not read_config({})["state-in-context"]  # files by default (their folder: FLOWER_DLION_STATE_DIR or tmp)
+    assert read_config({"state-in-context": True, "client-state-dir": "/tmp/s"})["state-in-context"]
     with pytest.raises(ValueError, match=r"\['client-state-dir', 'state-in-context'\] apply to \('dlion-vote'"):
-        read_config({"strategy": "global-lion", "state-in-context": False, "client-state-dir": "/tmp/s"})
+        read_config({"strategy": "global-lion", "state-in-context": True, "client-state-dir": "/tmp/s"})

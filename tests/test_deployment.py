@@ -68,6 +68,7 @@ def test_killed_supernode_is_left_out_and_its_restart_resyncs(tmp_path: Path) ->
     dep = Deployment(tmp_path / "work", nodes=3)
     results = tmp_path / "results"
     config = f"num-server-rounds=10 eval-every=100 holdout=2000 round-timeout=90.0 results-dir='{results}'"
+    config += " state-in-context=true"  # the state dies with the process (files: test_faults' restart tests)
     try:
         dep.start_superlink()
         for i in range(3):

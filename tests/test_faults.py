@@ -19,7 +19,7 @@ from flwr.app import ArrayRecord, ConfigRecord
 
 from flower_dlion import codec
 from flower_dlion.clients.state import crc32, read_state_file
-from flower_dlion.clients.state_store import save_state
+from flower_dlion.clients.state_store import STATE_WHERE, save_state
 from flower_dlion.lion import anchored
 from flower_dlion.protocol import UPLOAD
 from flower_dlion.strategies import DistributedLion
@@ -208,7 +208,7 @@ def test_fedavg_attacker_flips_or_randomizes_its_update_scaled() -> None:
 # ---------------------------------------------------------------- 5. restarts and checkpoints
 def test_restarted_node_without_state_gets_full_model_and_fresh_momentum(caplog: pytest.LogCaptureFixture) -> None:
     # Prepare
-    grid = LocalGrid(client_app, 3, run_config=RUN_CONFIG)
+    grid = LocalGrid(client_app, 3, run_config={**RUN_CONFIG, "state-in-context": True})  # lost with the process
     strategy = DistributedLion(lr=LR, weight_decay=WD)
     run_rounds(strategy, grid, 2)
     caplog.set_level(logging.WARNING, logger="flwr")
@@ -232,7 +232,7 @@ def test_killed_node_reported_by_the_superlink_then_restarted_under_the_same_id(
 ) -> None:
     # Prepare: node 1001's process dies after round 2; under SuperNode authentication it
     # restarts with the same node id (its key) and an empty state
-    grid = LocalGrid(client_app, 3, run_config=RUN_CONFIG)
+    grid = LocalGrid(client_app, 3, run_config={**RUN_CONFIG, "state-in-context": True})  # lost with the process
     strategy = DistributedLion(lr=LR, weight_decay=WD)
     run_rounds(strategy, grid, 2)
     caplog.set_level(logging.WARNING, logger="flwr")
@@ -319,7 +319,7 @@ def test_state_in_files_only_without_a_state_key_keeps_it_under_the_strategys_ow
     dlion.wait()
     for pid, node in enumerate(grid.node_ids):
         assert rounds_in(tmp_path / strategy.run_key / f"partition-{pid}") == [2, 3]
-        assert not grid.context(node).state
+        assert list(grid.context(node).state.keys()) == [STATE_WHERE]  # where the files are, nothing else
 
 
 RESUME_CFG = {
@@ -373,7 +373,7 @@ def test_server_killed_mid_run_and_resumed_reaches_the_same_x(tmp_path: Path, in
 
 
 def test_resume_without_state_files_resets_clients_and_finishes(tmp_path: Path, caplog) -> None:
-    cfg = {**RESUME_CFG, "num-server-rounds": 3, "results-dir": str(tmp_path)}
+    cfg = {**RESUME_CFG, "num-server-rounds": 3, "results-dir": str(tmp_path), "state-in-context": True}
     run_federation(LocalGrid(client_app, 4, run_config=cfg), cfg)
     caplog.set_level(logging.WARNING, logger="flwr")
     more = {**cfg, "num-server-rounds": 5, "resume": str(tmp_path / "checkpoint.pt")}
@@ -458,7 +458,7 @@ def test_bfloat16_momentum_halves_the_stored_momentum_and_keeps_replicas_exact()
     # Prepare: the same federation with float32 and bfloat16 momentum storage
     sizes = {}
     for dtype in ("float32", "bfloat16"):
-        grid = LocalGrid(client_app, 2, run_config={**RUN_CONFIG, "momentum-dtype": dtype})
+        grid = LocalGrid(client_app, 2, run_config={**RUN_CONFIG, "momentum-dtype": dtype, "state-in-context": True})
         strategy = DistributedLion(lr=LR, weight_decay=WD)
         # Execute
         run_rounds(strategy, grid, 3)

@@ -175,7 +175,8 @@ def test_replicas_equal_server_x_after_rounds_with_faults(how: str, caplog: pyte
             reply.content[UPLOAD]["signs"].data = b"\x00"
         return reply
 
-    grid = LocalGrid(client_app, 4, run_config=RUN_CONFIG, reply_hook=hook)
+    in_context = {**RUN_CONFIG, "state-in-context": True}  # lost with the node's context
+    grid = LocalGrid(client_app, 4, run_config=in_context, reply_hook=hook)
     strategy = DistributedLion(aggregation=how, lr=LR, weight_decay=WD)
     caplog.set_level(logging.WARNING, logger="flwr")
     # Execute
@@ -197,7 +198,7 @@ def test_replicas_equal_server_x_after_rounds_with_faults(how: str, caplog: pyte
 
 
 def test_missing_state_is_an_error_not_a_silent_reset() -> None:
-    grid = LocalGrid(client_app, 2, run_config=RUN_CONFIG)
+    grid = LocalGrid(client_app, 2, run_config={**RUN_CONFIG, "state-in-context": True})
     strategy = DistributedLion(lr=LR)
     run_rounds(strategy, grid, 1)
     grid.reset_node(1000)

@@ -44,9 +44,9 @@ strategy's seed, the node, the round), and so are the coin flips: the same run t
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -67,7 +67,9 @@ from ..protocol import (
     to_array,
 )
 from ..round_records import ReplyMetrics, RoundConfig, hello_keys
+from . import in_process
 from .app_source import foreign_code
+from .in_process import PROCESS_LOCAL
 from .link import ContextChoice, DecodeCost
 from .local_work import LocalWork, Tamper, adopt_momentum, age_momentum, round_generator, round_seed, upload_arrays
 from .placement import Placement
@@ -75,14 +77,14 @@ from .replica import Apply, apply_message
 from .resident import NodeState, ReplicaPool, Residents, device_memory
 from .secure_client import answer_query, check_train, mask_upload
 from .settings import MAX_BATCHES, ClientSettings, DeviceMemoryError, positive, resolve_device
-from .state import CONTEXT_LIMIT, ClientStateError, Expected, default_state_dir, node_label
+from .state import ClientStateError, Expected
+from .state_home import check_fits, node_store
 from .state_store import StateStore, wait_for_writes
 
 __all__ = ["ClientSettings", "ClientStateError", "DLionClient", "DeviceMemoryError", "Tamper", "resolve_device"]
 
 logger = logging.getLogger("flower_dlion")
 
-AUTO_FILES_FROM = 1 << 20  # trainable values from which the state goes to files by default (docs/PERFORMANCE.md §3)
 RESIDENT_SHARE = 0.25  # of the device's memory (the host's for the CPU) that resident node states may take by default
 
 
@@ -156,13 +158,26 @@ class DLionClient:
         self._settings = ClientSettings(
             device, state_dir, state_in_context, momentum_dtype, max_resident, link_mbps, max_batches
         )
+        self._token = secrets.token_hex(8)  # which client this is, in every process a copy of it reaches
         self._devices: dict[torch.device, _Device] = {}
         self._choices: dict[str, ContextChoice] = {}
         self._decode_cost = DecodeCost()  # of a context-coded Δ in this process, measured by whichever node applies one
-        self._told: set[str] = set()
         self._served = 0  # messages this process has handled: from the second on, files are written after the reply
+        self._local = in_process.register(self._token, model_fn, self._devices, self._choices, self._decode_cost)
+        self._told: set[str] = self._local.told
         if app is not None:
             app.query(HELLO_ACTION)(self.hello)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What a copy in another process gets: the settings, not what this process holds (models, states)."""
+        return {k: v for k, v in self.__dict__.items() if k not in (*PROCESS_LOCAL, "_served", "_local")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A copy (Ray ships an app defined in a script with every message) finds what its process holds already."""
+        self.__dict__.update(state)
+        self._local, found = in_process.find(self._token, self.model_fn)
+        self._served = int(found)
+        self._devices, self._choices, self._decode_cost, self._told = self._local.shared()
 
     def wait(self) -> None:
         """Wait until the state files this process writes in the background are on disk (e.g. at a script's end)."""
@@ -199,6 +214,8 @@ class DLionClient:
         state_key, state_round = hello_keys(request, context.node_id)
         store, owner = self._store(context, spec.d, state_key, -1 if state_round is None else state_round, 0)
         store.probe()  # a state folder this node cannot write fails now, not after round 1
+        clients = int(context.node_config.get("num-partitions", 1))  # the simulation's virtual clients
+        check_fits(store, spec.d, settings.momentum_dtype, context.node_id, clients)  # before round 1
         node = self._start(here, store, owner, context)
         if node is not None:
             here.residents.put(owner, node)
@@ -363,7 +380,8 @@ class DLionClient:
                 "by another process, or changed since" if current is not None else "nowhere: none there",
             )
         spec = here.bound.spec
-        expect = Expected(spec.d, owner, layout_fingerprint(spec.layout), {e.name: tuple(e.shape) for e in spec.rest})
+        rest = {e.name: tuple(e.shape) for e in spec.rest}
+        expect = Expected(spec.d, owner, layout_fingerprint(spec.layout), rest, here.pool.idents())
         host = store.load(expect, context.node_id)
         return None if host is None else here.placement.host_to_node(host, here.pool)
 
@@ -399,42 +417,8 @@ class DLionClient:
         return seeded.flat_parameters().numpy(), {k: v.numpy() for k, v in seeded.rest().items()}
 
     def _store(self, context: Context, d: int, state_key: str, as_of: int, keep_round: int) -> tuple[StateStore, str]:
-        """Where this node's state is persisted for this message (see :class:`ClientSettings`), and whose it is.
-
-        ``state_key``: the run's identity the server sends (unique per run, even where run ids
-        repeat: in-process grids, parallel sweeps); ``run-<run id>`` from a server that sends none.
-        ``as_of``: start from the state as of the end of that round (-1: the newest).
-        """
-        s = self.settings(context)
-        in_context = s.state_in_context
-        if in_context is None:
-            in_context = d < AUTO_FILES_FROM
-            if not in_context:
-                self._tell_once(
-                    "files",
-                    "flower-dlion: %d trainable values: the client keeps x and m in state files under %s, not in "
-                    "context.state, which Flower serializes with every message (DLionClient(state_in_context=...) "
-                    "chooses)",
-                    d,
-                    s.state_dir or default_state_dir(),
-                )
-        elif in_context and 8 * d > CONTEXT_LIMIT:
-            self._tell_once(
-                "too-large",
-                "flower-dlion: %d trainable values (%.1f GB of x and m) are too large for context.state: "
-                "the client keeps them in state files instead",
-                d,
-                8 * d / 1e9,
-            )
-            in_context = False
-        run = state_key or f"run-{context.run_id}"
-        owner = f"{run}/{node_label(context)}"
-        root = s.state_dir or (None if in_context else str(default_state_dir()))
-        folder = None if root is None else Path(root).expanduser() / run / node_label(context)
-        store = StateStore(
-            context, in_context=in_context, folder=folder, as_of=as_of, keep_round=keep_round, owner=owner
-        )
-        return store, owner
+        """Where this node's state is persisted for this message, and whose it is (:func:`.state_store.node_store`)."""
+        return node_store(context, self.settings(context), d, state_key, as_of, keep_round)
 
     def _tell_once(self, what: str, fmt: str, *args: object) -> None:
         if what not in self._told:

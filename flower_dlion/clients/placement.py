@@ -10,9 +10,34 @@ Each crossing is one copy on a GPU: a host array to the device (:meth:`Placement
 a tensor to pinned host memory (:meth:`Placement.to_host`, which torch's caching host allocator
 reuses). What every node at one version shares (x, the anchor, the counts) crosses once per
 version and process, cached on the replica (:meth:`Placement.replica_on_host`).
+
+Every crossing adds the bytes that cross on a GPU to :attr:`Placement.crossings` (a
+:class:`Crossings`), on the CPU too, where nothing is copied: the count is of what crosses, not
+of whether a copy was made, so a test on the CPU sees the traffic a GPU client would make. Each
+is labelled by its purpose:
+
+========================  ============================================================
+``"x-crc"``               x to the host for its checksum, once per replica (its copy is
+                          then the persisted x too)
+``"x"``, ``"anchor"``,    a replica's x, anchor or counts to the host (persisted, or
+``"counts"``              decoded on the host), once per replica
+``"m-persist"``           the momentum persisted every message (4·d, or 2·d in bfloat16)
+``"e-persist"``,          the error-feedback residual, buffers and frozen parameters
+``"rest-persist"``        persisted every message
+``"delta"``               received bytes to the device (the packed Δ, the packed counts)
+``"buffers"``             the buffers a round sends the server
+``"load"``                a persisted state to the device (a node not resident)
+``"model"``               the user's model to the device (once per client and device)
+``"array"``               anything else through :meth:`Placement.to_device` or :meth:`Placement.to_host`
+========================  ============================================================
+
+The upload itself (the packed signs, ⌈d/8⌉ bytes) crosses in :func:`flower_dlion.protocol.bits_array`,
+not here, and scalars (the loss) and the user's batches cross in :mod:`flower_dlion.params`.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -21,48 +46,104 @@ from torch import nn
 from .resident import NodeState, Replica, ReplicaPool
 from .state import HostState, crc32
 
-__all__ = ["Placement"]
+__all__ = ["Crossings", "Placement"]
+
+
+@dataclass
+class Crossings:
+    """Bytes that cross between the host and the device (on a GPU), in total and by purpose.
+
+    Attributes
+    ----------
+    to_device_bytes, to_host_bytes : int
+        Bytes to the device and to the host since the last :meth:`take`.
+    to_device, to_host : dict[str, int]
+        The same bytes by purpose (the labels in the module doc).
+    count : int
+        How many crossings (each one copy on a GPU).
+
+    """
+
+    to_device_bytes: int = 0
+    to_host_bytes: int = 0
+    to_device: dict[str, int] = field(default_factory=dict)
+    to_host: dict[str, int] = field(default_factory=dict)
+    count: int = 0
+
+    def down(self, label: str, nbytes: int) -> None:
+        """Count ``nbytes`` to the device for ``label``."""
+        self.to_device_bytes += nbytes
+        self.to_device[label] = self.to_device.get(label, 0) + nbytes
+        self.count += 1
+
+    def up(self, label: str, nbytes: int) -> None:
+        """Count ``nbytes`` to the host for ``label``."""
+        self.to_host_bytes += nbytes
+        self.to_host[label] = self.to_host.get(label, 0) + nbytes
+        self.count += 1
+
+    def take(self) -> Crossings:
+        """What was counted since the last call (a snapshot); the counters start again from zero."""
+        snapshot = Crossings(self.to_device_bytes, self.to_host_bytes, self.to_device, self.to_host, self.count)
+        self.to_device_bytes = self.to_host_bytes = self.count = 0
+        self.to_device, self.to_host = {}, {}
+        return snapshot
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 class Placement:
-    """Moves a client's arrays between the host (numpy) and ``device`` (torch).
+    """Moves a client's arrays between the host (numpy) and ``device`` (torch), counting what crosses.
 
     Parameters
     ----------
     device : torch.device
         The client's compute device.
 
+    Attributes
+    ----------
+    crossings : Crossings
+        The bytes that crossed (on a GPU; counted the same on the CPU) since the last
+        ``crossings.take()``.
+
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.crossings = Crossings()
 
     # ------------------------------------------------------------------ arrays
     def model(self, model: nn.Module) -> nn.Module:
         """The user's model on the device (once per client and device)."""
+        self.crossings.down("model", sum(_nbytes(t) for t in [*model.parameters(), *model.buffers()]))
         return model.to(self.device)
 
-    def to_device(self, a: np.ndarray) -> torch.Tensor:
-        """A host array as a tensor on the device (the CPU: the same memory)."""
+    def to_device(self, a: np.ndarray, label: str = "array") -> torch.Tensor:
+        """A host array as a tensor on the device (the CPU: the same memory), counted under ``label``."""
         if not isinstance(a, np.ndarray):
             raise TypeError(f"to_device takes a host numpy array, got a {type(a).__name__}")
+        self.crossings.down(label, a.nbytes)
         t = torch.from_numpy(a if a.flags.writeable else a.copy())
         return t if self.device.type == "cpu" else t.to(self.device)
 
     def bytes_to_device(self, data: bytes) -> torch.Tensor:
-        """Received bytes as a uint8 tensor on the device."""
-        return self.to_device(np.frombuffer(bytearray(data), dtype=np.uint8))
+        """Received bytes (a packed Δ, packed counts) as a uint8 tensor on the device."""
+        return self.to_device(np.frombuffer(bytearray(data), dtype=np.uint8), "delta")
 
     def buffers_to_host(self, rest: dict[str, torch.Tensor], names: list[str]) -> np.ndarray:
         """The buffers ``names`` of ``rest``, in that order, as one flat float32 vector on the host."""
-        return self.to_host(torch.cat([rest[name].detach().reshape(-1).float() for name in names]))
+        flat = torch.cat([rest[name].detach().reshape(-1).float() for name in names])
+        return self.to_host(flat, "buffers")
 
-    def to_host(self, t: torch.Tensor) -> np.ndarray:
+    def to_host(self, t: torch.Tensor, label: str = "array") -> np.ndarray:
         """A tensor as a host array (the CPU: the same memory; a GPU: one copy into pinned memory).
 
-        bfloat16 comes as its 16 bits (uint16: numpy has no bfloat16).
+        Counted under ``label``. bfloat16 comes as its 16 bits (uint16: numpy has no bfloat16).
         """
         t = t.detach()
+        self.crossings.up(label, _nbytes(t))
         bits = t.dtype == torch.bfloat16
         if bits:
             t = t.view(torch.int16)
@@ -73,16 +154,20 @@ class Placement:
         return a.view(np.uint16) if bits else a
 
     # ------------------------------------------------------------------ states
-    def replica_on_host(self, replica: Replica, name: str) -> np.ndarray:
-        """The replica's ``x``, ``anchor`` or ``counts`` on the host, copied once per replica."""
+    def replica_on_host(self, replica: Replica, name: str, label: str | None = None) -> np.ndarray:
+        """The replica's ``x``, ``anchor`` or ``counts`` on the host, copied once per replica.
+
+        The copy is counted under ``label`` (default: ``name``); a copy the replica holds
+        already crosses nothing.
+        """
         if name not in replica.host:
-            replica.host[name] = self.to_host(getattr(replica, name))
+            replica.host[name] = self.to_host(getattr(replica, name), label or name)
         return replica.host[name]
 
     def new_replica(self, x: torch.Tensor, version: int) -> Replica:
         """A replica of ``x`` (on the device) at ``version``, with its checksum (x crosses to the host once)."""
         replica = Replica(version, x, 0)
-        replica.checksum = crc32(self.replica_on_host(replica, "x"))
+        replica.checksum = crc32(self.replica_on_host(replica, "x", "x-crc"))
         return replica
 
     def node_to_host(self, node: NodeState, momentum_dtype: str) -> HostState:
@@ -95,17 +180,17 @@ class Placement:
         if momentum_dtype == "bfloat16":
             rounded = node.m.to(torch.bfloat16)
             node.m.copy_(rounded)
-            m = self.to_host(rounded)
+            m = self.to_host(rounded, "m-persist")
         else:
-            m = self.to_host(node.m)
+            m = self.to_host(node.m, "m-persist")
         host = HostState(
             version=replica.version,
             round=node.round,
             checksum=replica.checksum,
             m=m,
             m_dtype=momentum_dtype,
-            error=None if node.error is None else self.to_host(node.error),
-            rest={k: self.to_host(v) for k, v in node.rest.items()},
+            error=None if node.error is None else self.to_host(node.error, "e-persist"),
+            rest={k: self.to_host(v, "rest-persist") for k, v in node.rest.items()},
             recent=replica.recent if replica.depth else None,
             depth=replica.depth if replica.recent is not None else 0,
             previous=node.previous,
@@ -123,28 +208,33 @@ class Placement:
     def host_to_node(self, host: HostState, pool: ReplicaPool) -> NodeState:
         """A checked persisted state (``host.x`` set, :func:`.state.check_state`) on the device.
 
-        Its replica comes from ``pool`` when this process holds it already.
+        Its replica comes from ``pool`` when this process holds it already. A replica loaded here
+        keeps the host arrays it was loaded from (x, the anchor, the counts, all checked): they
+        do not cross back to be persisted or decoded on the host.
         """
-        assert host.x is not None, "check_state sets x"
         ident = (host.version, host.checksum, host.anchor_version, host.anchor_checksum)
         replica = pool.find(ident)
         if replica is None:
-            replica = Replica(host.version, self.to_device(host.x), host.checksum)
+            assert host.x is not None, "check_state sets x where the pool does not hold the replica"
+            replica = Replica(host.version, self.to_device(host.x, "load"), host.checksum)
             replica.host["x"] = host.x
             if host.anchor is not None:
                 assert host.counts is not None
                 anchor = pool.anchor(host.anchor_version, host.anchor_checksum)
-                replica.anchor = anchor if anchor is not None else self.to_device(host.anchor)
-                replica.counts = self.to_device(host.counts.astype(np.int32))
+                replica.anchor = anchor if anchor is not None else self.to_device(host.anchor, "load")
+                replica.host["anchor"] = host.anchor  # the same bits (check_state checked its checksum)
+                counts = host.counts.astype(np.int32)
+                replica.counts = self.to_device(counts, "load")
+                replica.host["counts"] = counts  # the same values: the next persisted copy crosses nothing
                 replica.anchor_version, replica.anchor_checksum = host.anchor_version, host.anchor_checksum
                 replica.decay, replica.step = host.decay, host.step
             if host.recent is not None and host.depth:
                 replica.recent, replica.depth = host.recent, host.depth
             replica = pool.add(replica)
         if host.m_dtype == "bfloat16":
-            m = self.to_device(host.m.view(np.int16)).view(torch.bfloat16).float()
+            m = self.to_device(host.m.view(np.int16), "load").view(torch.bfloat16).float()
         else:
-            m = self.to_device(host.m)
-        error = None if host.error is None else self.to_device(host.error)
-        rest = {k: self.to_device(v) for k, v in host.rest.items()}
+            m = self.to_device(host.m, "load")
+        error = None if host.error is None else self.to_device(host.error, "load")
+        rest = {k: self.to_device(v, "load") for k, v in host.rest.items()}
         return NodeState(replica, m, error, rest, host.round, host.previous, host.undo, host.stamp)

@@ -36,6 +36,7 @@ __all__ = ["NodeState", "Replica", "ReplicaPool", "Residents", "device_memory"]
 
 logger = logging.getLogger("flower_dlion")
 
+RESIDENT_ROUNDS = 3  # a node's state stays on the device while it trained in one of its run's last 3 rounds
 Ident = tuple[int, int, int, int]  # version, checksum of x, anchor version, checksum of the anchor
 
 
@@ -105,19 +106,25 @@ class ReplicaPool:
 
     Parameters
     ----------
-    keep : int (default: 1)
-        Replicas no node holds that are kept anyway (the newest): a node whose message comes
-        after another's finds the replica that one made, also where no state stays resident.
+    keep : int (default: 2)
+        The newest replicas made, kept while no node holds them: a node whose message comes
+        after another's finds the replica that one made, and a node whose state is loaded from
+        its file finds the replica of the version before (a round's start) without computing x
+        again, also where no state stays resident.
 
     """
 
-    def __init__(self, keep: int = 1) -> None:
+    def __init__(self, keep: int = 2) -> None:
         self.keep = keep
         self._replicas: OrderedDict[Ident, Replica] = OrderedDict()  # least recently made first
         self._made_by: dict[Any, tuple[Ident, bytes]] = {}  # what made it (a message applied to a replica) → it, a note
         self._holders: dict[Ident, int] = {}
         self._free: dict[tuple[torch.device, torch.dtype, int], list[torch.Tensor]] = {}
         self.hits = 0  # replicas found made, for benchmarks
+
+    def idents(self) -> frozenset[Ident]:
+        """What the replicas held here are."""
+        return frozenset(self._replicas)
 
     def find(self, ident: Ident) -> Replica | None:
         """The replica that is ``ident``, if this process holds it."""
@@ -194,9 +201,9 @@ class ReplicaPool:
         return len(self._replicas)
 
     def _trim(self) -> None:
-        """Drop the oldest replicas no node holds beyond ``keep``."""
-        unheld = [i for i in self._replicas if i not in self._holders]
-        for ident in unheld[: max(0, len(unheld) - self.keep)]:
+        """Drop the replicas no node holds but the ``keep`` newest made."""
+        recent = set(list(self._replicas)[-self.keep :]) if self.keep else set()
+        for ident in [i for i in self._replicas if i not in self._holders and i not in recent]:
             self.recycle(self._replicas.pop(ident))
         if len(self._made_by) > 4 * len(self._replicas) + 16:
             self._made_by = {k: v for k, v in self._made_by.items() if v[0] in self._replicas}
@@ -204,6 +211,11 @@ class ReplicaPool:
 
 class Residents:
     """The nodes' states kept on the device between their messages, least recently used out first.
+
+    A node stays while it trained in one of the run's last ``rounds`` rounds: in a cross-device
+    simulation (10,000 virtual clients, 1 % a round) a node comes back after ~100 rounds, and
+    keeping it would cost its m for all that time to save one file read; the nodes of every
+    round stay where all train every round.
 
     Parameters
     ----------
@@ -214,13 +226,16 @@ class Residents:
     max_bytes : int
         At most this many bytes of the nodes' own tensors. An evicted node's persisted copy is
         current (it is written every round): its next message starts from it.
+    rounds : int (default: RESIDENT_ROUNDS)
+        Nodes whose last round is more than this many rounds behind the newest of their run's go.
 
     """
 
-    def __init__(self, pool: ReplicaPool, max_nodes: int | None, max_bytes: int) -> None:
+    def __init__(self, pool: ReplicaPool, max_nodes: int | None, max_bytes: int, rounds: int = 0) -> None:
         self.pool = pool
         self.max_nodes = max_nodes
         self.max_bytes = max_bytes
+        self.rounds = rounds or RESIDENT_ROUNDS
         self._nodes: OrderedDict[str, tuple[NodeState, Replica]] = OrderedDict()  # the state, the replica it holds
 
     def get(self, owner: str) -> NodeState | None:
@@ -241,6 +256,10 @@ class Residents:
                 old[0].wait()
             self.pool.release(old[1])
         self._nodes[owner] = (node, node.replica)
+        run = owner.rpartition("/")[0]
+        for stale in [o for o, (n, _) in self._nodes.items() if n.round < node.round - self.rounds]:
+            if stale.rpartition("/")[0] == run:  # another run's nodes go by the budget alone
+                self.drop(stale)
         while self._nodes and (
             self.nbytes() > self.max_bytes or (self.max_nodes is not None and len(self._nodes) > self.max_nodes)
         ):

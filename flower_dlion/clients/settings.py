@@ -25,12 +25,17 @@ class ClientSettings:
     device : str (default: "auto")
         ``"auto"`` (CUDA when available, else CPU), ``"cpu"``, ``"cuda"`` or ``"cuda:<i>"``.
     state_dir : str | None (default: None)
-        A folder for state files (``<state_dir>/<run>/<node>/r<round>.state``): the node's state then
-        survives a SuperNode restart and a resumed ServerApp finds it. None: files only where
-        the state stays out of the context, in a temporary folder.
+        A folder for state files (``<state_dir>/<run>/<node>/slot-<i>.state``): the node's state
+        survives a SuperNode restart and a resumed ServerApp finds it; on a Ray cluster, shared
+        storage lets a virtual client find its state on any machine. None:
+        ``$FLOWER_DLION_STATE_DIR``, else a folder in the temporary directory (with
+        ``state_in_context=True``: no files).
     state_in_context : bool | None (default: None)
-        Keep the state in ``context.state`` too. None: yes below 2²⁰ trainable values, files
-        from there up (Flower serializes the context with every message).
+        Keep the state in ``context.state`` (which Flower serializes with every message and the
+        simulation keeps for every client it ever touched: ~9 bytes a parameter each) instead of
+        files: it then follows a virtual client to any machine of a Ray cluster without shared
+        storage. None or False: files (:mod:`.state_home`), whose memory does not grow with the
+        number of clients.
     momentum_dtype : {"float32", "bfloat16"} (default: "float32")
         How m is stored between rounds (bfloat16: half the bytes; computed in float32).
     max_resident : int | None (default: None)

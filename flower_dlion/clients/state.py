@@ -47,6 +47,7 @@ from ..lion import anchored
 from ..protocol import ClientStateError
 
 __all__ = [
+    "STATE_DIR_ENV",
     "ClientStateError",
     "Expected",
     "HostState",
@@ -186,13 +187,15 @@ class Expected:
     owner: str
     layout: str
     rest: dict[str, tuple[int, ...]]  # frozen parameters and buffers: name → shape
+    held: frozenset = frozenset()  # replicas this process holds (.resident.Ident): their x is not recomputed
 
 
 def check_state(host: HostState, expect: Expected) -> None:
     """Refuse (``StateRefused``, saying why) a state that does not fit ``expect`` or is damaged.
 
     Sets ``host.x`` from the anchor and counts when it was not stored, and checks it against
-    ``host.checksum``.
+    ``host.checksum``; not where ``expect.held`` has the replica (the process holds x, checked
+    when it was made: the anchor need not even be read, see :meth:`.state_store.StateStore.load`).
     """
     if host.owner != expect.owner:
         raise StateRefused(f"it belongs to {host.owner!r}, not {expect.owner!r}")
@@ -204,7 +207,9 @@ def check_state(host: HostState, expect: Expected) -> None:
             f"version {host.version}, round {host.round}, previous {host.previous}, depth {host.depth} are out of range"
         )
     _check_own(host, expect)
-    _check_replica(host, expect.d)
+    if _check_replica(host, expect.d, ident(host) in expect.held):
+        return
+    assert host.x is not None
     if crc32(host.x) != host.checksum:
         raise StateRefused(f"x's checksum is {crc32(host.x)}, it was saved with {host.checksum}")
 
@@ -239,8 +244,20 @@ def _check_own(host: HostState, expect: Expected) -> None:
         raise StateRefused("its undo record is malformed")
 
 
-def _check_replica(host: HostState, d: int) -> None:
-    """The replica: x itself, or the anchor and the counts (x recomputed from them into ``host.x``)."""
+def ident(host: HostState) -> tuple[int, int, int, int]:
+    """Which replica the state is at (:data:`.resident.Ident`): version, x's, the anchor's version, its checksum."""
+    return (host.version, host.checksum, host.anchor_version, host.anchor_checksum)
+
+
+def _check_replica(host: HostState, d: int, held: bool) -> bool:
+    """The replica: x itself, or the anchor and the counts (x recomputed from them into ``host.x``).
+
+    ``held``: the process holds that replica; only the counts are checked (no x is computed).
+    Returns whether that is what happened.
+    """
+    if held and host.counts is not None:
+        _check_counts(host, d)
+        return True
     if (host.anchor is None) != (host.counts is None):
         raise StateRefused("it has an anchor without counts, or counts without an anchor")
     if host.anchor is None:
@@ -252,17 +269,25 @@ def _check_replica(host: HostState, d: int) -> None:
         return
     assert host.counts is not None
     _check_array("anchor", host.anchor, d, (np.float32,))
-    _check_array("counts", host.counts, d, (np.int8, np.int16, np.int32))
     if not np.isfinite(host.anchor).all() or crc32(host.anchor) != host.anchor_checksum:
         raise StateRefused("the anchor is not the one it was saved with (checksum) or has non-finite values")
-    if int(np.abs(host.counts.astype(np.int64)).max(initial=0)) > COUNT_LIMIT:
+    _check_counts(host, d)
+    counts = torch.from_numpy(host.counts.astype(np.int32, copy=False))
+    host.x = anchored(torch.from_numpy(host.anchor), counts, host.decay, host.step).numpy()
+    return False
+
+
+def _check_counts(host: HostState, d: int) -> None:
+    """The counts since the anchor, γ, η and the anchor's version (|C| checked without a wider copy)."""
+    assert host.counts is not None
+    _check_array("counts", host.counts, d, (np.int8, np.int16, np.int32))
+    wide = host.counts.dtype == np.int32  # int8 and int16 hold nothing beyond ±2¹⁵ < COUNT_LIMIT
+    if wide and not -COUNT_LIMIT <= int(host.counts.min(initial=0)) <= int(host.counts.max(initial=0)) <= COUNT_LIMIT:
         raise StateRefused(f"its counts exceed ±{COUNT_LIMIT}")
     if not (np.isfinite(host.decay) and np.isfinite(host.step) and 0 < host.decay <= 1 and host.step >= 0):
         raise StateRefused(f"decay {host.decay} and step {host.step} are out of range")
     if not host.anchor_version <= host.version:
         raise StateRefused(f"anchor version {host.anchor_version} is after version {host.version}")
-    counts = torch.from_numpy(host.counts.astype(np.int32, copy=False))
-    host.x = anchored(torch.from_numpy(host.anchor), counts, host.decay, host.step).numpy()
 
 
 def require_host(host: HostState) -> None:
@@ -282,8 +307,18 @@ def _check_array(name: str, a: Any, d: int, dtypes: tuple[type, ...]) -> None:
         raise StateRefused(f"{name} is {a.dtype} {a.shape}, the model needs {allowed} ({d},)")
 
 
+STATE_DIR_ENV = "FLOWER_DLION_STATE_DIR"  # a machine's default state folder (each Ray node's own, or shared storage)
+
+
 def default_state_dir() -> Path:
-    """Where state files go when the client keeps its state out of the context but names no folder."""
+    """Where state files go when the client names no folder.
+
+    ``$FLOWER_DLION_STATE_DIR`` where it is set in the process serving the node (a Ray node
+    passes its environment to its workers), else ``<tmp>/flower-dlion-state-<uid>``.
+    """
+    chosen = os.environ.get(STATE_DIR_ENV, "")
+    if chosen:
+        return Path(chosen).expanduser()
     return Path(tempfile.gettempdir()) / f"flower-dlion-state-{os.getuid() if hasattr(os, 'getuid') else 0}"
 
 

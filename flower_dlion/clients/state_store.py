@@ -1,6 +1,8 @@
-"""Where a D-Lion client persists a node's state (:class:`~.state.HostState`): ``context.state`` or a file per node.
+"""Where a D-Lion client persists a node's state (:class:`~.state.HostState`): a file per node or ``context.state``.
 
-``context.state`` (``in_context``) and/or ``<folder>/r<round>.state`` (``folder``): the
+Files in ``folder`` (the default, :mod:`.state_home`) and/or ``context.state`` (``in_context``);
+with files alone, ``context.state`` keeps only where they went (round, machine, folder), so a
+message served on a machine that cannot see them says so (:data:`MOVED`). Files: the
 file a restarted SuperNode starts from, and the one a resumed ServerApp asks for by round
 (``state-round``); only the newest file and the one of the server's latest checkpoint
 (``keep-round``) are kept. A file is written to a temporary name and renamed, so a reader
@@ -21,6 +23,7 @@ import logging
 import os
 import re
 import secrets
+import socket
 import time
 from pathlib import Path
 
@@ -48,6 +51,11 @@ __all__ = ["StateStore", "load_state", "save_state", "wait_for_writes"]
 
 logger = logging.getLogger("flower_dlion")
 PENDING_WAIT_S = 120.0  # how long a reader waits for another process's write of a newer state file
+STATE_WHERE = "dlion.state-where"  # context.state of a node whose state is in files: which machine and folder hold them
+MOVED = (
+    "a virtual client that Ray schedules on another machine of a cluster finds no state unless the state folder "
+    "is shared storage (run config 'client-state-dir', or FLOWER_DLION_STATE_DIR on every Ray node)"
+)
 
 
 # --------------------------------------------------------------------------- files
@@ -140,7 +148,17 @@ class StateStore:
         if self._use_context():
             return "context.state"
         found = self._newest_file()
-        return str(found[1]) if found is not None else f"{self.folder or 'context.state'} (no state there)"
+        if found is not None:
+            return str(found[1])
+        mark = dict(self.context.state[STATE_WHERE]) if STATE_WHERE in self.context.state else {}
+        if not mark:
+            return f"{self.folder or 'context.state'} (no state there)"
+        host, here = str(mark.get("host", "?")), socket.gethostname()
+        return (
+            f"{self.folder} (no state there; its round {mark.get('round')} state went to {mark.get('folder')} "
+            f"on {host}{', this machine' if host == here else f', not this machine ({here})'}: "
+            f"{'deleted since?' if host == here else MOVED}; it resyncs)"
+        )
 
     # ------------------------------------------------------------------ read
     def load(self, expect: Expected, node_id: int) -> HostState | None:
@@ -159,7 +177,7 @@ class StateStore:
                 return None
         while (found := self._newest_file()) is not None:
             try:
-                host = self._from_file(found[1])
+                host = self._from_file(found[1], expect.held)
                 check_state(host, expect)
                 return host
             except (StateRefused, OSError) as err:
@@ -187,13 +205,15 @@ class StateStore:
             raise StateRefused("its undo record is not bytes")
         return HostState.from_parts(meta, arrays, rest, anchor, undo)
 
-    def _from_file(self, path: Path) -> HostState:
+    def _from_file(self, path: Path, held: frozenset = frozenset()) -> HostState:
+        """The state in ``path``; its anchor too, unless the process holds its replica (``held``)."""
         meta, arrays = read_state_file(path)
         rest = {k.removeprefix("rest/"): v for k, v in arrays.items() if k.startswith("rest/")}
         undo = arrays.pop("undo", np.zeros(0, np.uint8)).tobytes()
         anchor = None
-        if "counts" in arrays:
-            anchor = self._read_anchor(int(meta.get("anchor-version", -1)), int(meta.get("anchor-checksum", -1)))
+        which = [int(meta.get(k, -1)) for k in ("version", "checksum", "anchor-version", "anchor-checksum")]
+        if "counts" in arrays and tuple(which) not in held:
+            anchor = self._read_anchor(which[2], which[3])
         return HostState.from_parts(meta, arrays, rest, anchor, undo)
 
     def _anchor_path(self, version: int, checksum: int) -> Path:
@@ -258,13 +278,22 @@ class StateStore:
             time.sleep(0.005)
 
     def _pending_after(self, newest: int) -> bool:
-        """Whether a live process (this one too) is writing a state file newer than round ``newest``."""
+        """Whether a live process (this one too) is writing a state file of round ``newest`` or newer.
+
+        Of ``newest`` too: a slot written over in place may show the new round in its header
+        while its arrays are still being written (a reader in another process then saw a CRC
+        mismatch and put the node's state aside: Flower's simulation, a node moving between workers).
+        """
         assert self.folder is not None
         for marker in self.folder.glob(".r*.pending.*"):
             round_text, _, pid_text = marker.name[2:].partition(".pending.")
             if not (round_text.isdigit() and pid_text.isdigit()):
                 continue
-            if int(round_text) > newest and (self.as_of < 0 or int(round_text) <= self.as_of) and _alive(int(pid_text)):
+            if (
+                int(round_text) >= newest
+                and (self.as_of < 0 or int(round_text) <= self.as_of)
+                and _alive(int(pid_text))
+            ):
                 return True
         return False
 
@@ -294,6 +323,10 @@ class StateStore:
             self._to_context(host)
         if self.folder is None:
             return host.stamp, None
+        if not self.in_context:  # where the files are, for a message that does not find them (another machine)
+            self._drop(None)  # an older copy in the context (another mode's) would shadow the files
+            where = {"round": host.round, "host": socket.gethostname(), "folder": str(self.folder)}
+            self.context.state[STATE_WHERE] = ConfigRecord(where)
         self.folder.mkdir(parents=True, exist_ok=True)
         marker = self.folder / f".r{host.round}.pending.{os.getpid()}"
         marker.touch()  # before the reply goes: a reader in another process waits for the file
@@ -381,14 +414,23 @@ def _alive(pid: int) -> bool:
 
 
 def load_state(context: Context) -> HostState | None:
-    """The state a node keeps in ``context.state``, as stored, with x (from the anchor): for tests and inspection.
+    """The state a node keeps (``context.state``, or the files it names), as stored, with x: for tests and inspection.
 
     Not checked (:func:`check_state` is what a client applies); None where there is none.
     """
-    store = StateStore(context, in_context=True, folder=None, as_of=-1, keep_round=0)
-    if not store._use_context():
+    where = context.state[STATE_WHERE] if STATE_WHERE in context.state else None
+    folder = Path(str(where["folder"])) if where is not None and STATE_META not in context.state else None
+    store = StateStore(context, in_context=folder is None, folder=folder, as_of=-1, keep_round=0)
+    if folder is not None:
+        wait_for_writes()
+        found = store._newest_file()
+        host = None if found is None else store._from_file(found[1])
+    elif store._use_context():
+        host = store._from_context(0)
+    else:
         return None
-    host = store._from_context(0)
+    if host is None:
+        return None
     if host.x is None and host.anchor is not None and host.counts is not None:
         counts = torch.from_numpy(host.counts.astype(np.int32))
         host.x = anchored(torch.from_numpy(host.anchor), counts, host.decay, host.step).numpy()

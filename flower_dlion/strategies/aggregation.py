@@ -32,7 +32,6 @@ from flwr.supercore import log
 from .. import codec, quantizers
 from ..bounds import mean_buffers, median_momentum, moment_count, robust_buffers
 from ..coin_flips import CAUSES, WARN_ABOVE
-from ..downlink import levels_to_signs
 from ..protocol import (
     CLIENT_STATE_ERROR,
     EXPLAINED_FLIPS,
@@ -60,6 +59,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Applied", "RoundCounts", "Uplink"]
 
+STATE_LOST = ("has no replica", ": replica at version")  # a client's errors (clients/replica.py) for a state it lacks
+
 
 @dataclass
 class RoundCounts:
@@ -70,7 +71,9 @@ class RoundCounts:
     resyncs : int
         Replies that showed a replica checksum or version mismatch (``checksum-mismatches``).
     state_resets : int
-        Nodes found without their state since the last round (``state-resets``; the downlink finds them).
+        Nodes found without their state since the last round (``state-resets``): by their hello
+        (the downlink finds them), or by their reply (no replica, or an older one: a virtual client
+        served where its state files are not).
     clipped : int
         ef-sign scales cut to the median (``clipped-scales``).
 
@@ -235,6 +238,8 @@ class Uplink:
         if err.resync or (msg.has_error() and CLIENT_STATE_ERROR in msg.error.reason):
             self.state.version_of.pop(pid, None)  # its replica is unknown: the full model next time
             counts.resyncs += int(err.resync)
+            reason = msg.error.reason if msg.has_error() else ""
+            counts.state_resets += any(lost in reason for lost in STATE_LOST)  # e.g. on a machine without its files
             if msg.has_error() and node_id in rnd.seeded and SEED_MISMATCH in msg.error.reason:
                 self.state.seed_failed.add(pid)  # the full model from now on
                 self._tell_seed_mismatch(node_id)
@@ -287,9 +292,8 @@ class Uplink:
         counts.clipped, scales = update.clipped, update.scales
         broadcast = None
         history = self.state.anchored
-        if history is not None:  # x = γ·xₐ − η·C (Δ = K·L, the K in η)
-            signs = levels_to_signs(update.levels, update.num_levels)
-            self.model.x.copy_(history.apply(signs, update.num_levels, update.encoded))
+        if history is not None:  # x = γ·xₐ − η·C (Δ = K·L, the K in η), written into x
+            history.apply_levels(update.levels, update.num_levels, update.encoded, out=self.model.x)
             self.state.version += 1
         else:
             weight_decay = self.weight_decay * self.lion_steps  # K local Lion steps' worth of decay

@@ -9,7 +9,8 @@ knows of the node's replica (``ServerState.version_of``), one of:
 - nothing more (``kind = "none"``): its replica is at the current version;
 - the anchored downlink (:mod:`flower_dlion.downlink`, the default for a vote with exact
   broadcast): the smallest of the entropy-coded counts since its version, x₀'s seed and the
-  counts since version 0, or the anchor xₐ and the counts since it (``_anchored_content``);
+  counts since version 0, or the anchor xₐ and the counts since it (``_anchored_content``); an option
+  that cannot be the smallest is never coded (``_anchored_choice``: no coding for in-sync nodes);
 - the chain: the packed Δs it missed, one by one (``_chain_since``; the strategy hands each
   round's Δ from the uplink to :meth:`Downlink.remember`);
 - the full model (float32), or x₀'s seed and the Δs since: a new node, a lost replica, a
@@ -20,6 +21,7 @@ The client's side of the same message is :mod:`flower_dlion.clients.replica`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from logging import WARNING
 from typing import TYPE_CHECKING
 
@@ -50,6 +52,7 @@ if TYPE_CHECKING:
 __all__ = ["Downlink"]
 
 Content = tuple[RecordDict, str, int]  # a message's content, its kind and its payload length in bytes
+Option = tuple[int, str, int, list[Segment]]  # an anchored catch-up: its bytes, kind, base version, segments
 
 
 class Downlink:
@@ -269,7 +272,7 @@ class Downlink:
         """
         history = self.state.anchored
         assert history is not None
-        size, kind, base, segments = min(self._anchored_options(pid, have), key=lambda o: o[0])
+        size, kind, base, segments = self._anchored_choice(pid, have)
         round_config.update({"kind": "full" if kind == "full" else "counts", "base-version": base})
         round_config["anchor-every"] = self.anchor_every
         records: dict[str, Array] = {}
@@ -303,26 +306,57 @@ class Downlink:
             self._add_rest(content)
         return content, "full" if kind == "full" else "counts", size
 
-    def _anchored_options(self, pid: int, have: int | None) -> list[tuple[int, str, int, list[Segment]]]:
-        """What could bring a node at version ``have`` to x: (bytes, kind, base version, segments) each.
+    def _anchored_choice(self, pid: int, have: int | None) -> Option:
+        """The smallest of :meth:`_anchored_options` (the first of equal size), building only options that can win.
 
-        The counts since ``have`` (if still kept), x₀'s seed and the counts since 0 (with
+        An option is built (its counts entropy-coded) only when its least possible size is below
+        the smallest built so far (:meth:`_may_win`): the anchor's option (≥ 4·d bytes, float32)
+        is not coded for a node whose counts or seed option is no larger, so in-sync nodes cost no
+        coding. What each node gets is what the smallest of all the options would be, bit for bit.
+        """
+        best: Option | None = None
+        for least, build in self._anchored_options(pid, have):
+            if best is not None and not self._may_win(least, best[0]):
+                continue  # at least `least` bytes: never strictly smaller than the best, which wins a tie
+            option = build()
+            if option is not None and (best is None or option[0] < best[0]):
+                best = option
+        assert best is not None, "the anchor's option is always there"
+        return best
+
+    @staticmethod
+    def _may_win(least: int, best: int) -> bool:
+        """Whether an option of at least ``least`` bytes can be chosen over one of ``best`` bytes (built earlier)."""
+        return least < best
+
+    def _anchored_options(self, pid: int, have: int | None) -> list[tuple[int, Callable[[], Option | None]]]:
+        """What could bring a node at version ``have`` to x, in order: (least bytes, build) each.
+
+        ``build()`` gives (bytes, kind, base version, segments), or None where the option cannot be
+        made: the counts since ``have`` (if still kept), x₀'s seed and the counts since 0 (with
         ``init_seed``), and always the anchor (float32) and the counts since it.
         """
         history = self.state.anchored
         assert history is not None and self.model.x is not None
         version, d = self.state.version, self.model.num_parameters
-        options: list[tuple[int, str, int, list[Segment]]] = []
-        if have is not None and (segments := history.segments(have, self.state.context_of.get(pid) == have)):
-            options.append((sum(len(s.payload) for s in segments), "counts", have, segments))
+
+        def option(kind: str, base: int, segments: list[Segment] | None, extra: int = 0) -> Option | None:
+            return None if segments is None else (extra + sum(len(s.payload) for s in segments), kind, base, segments)
+
+        options: list[tuple[int, Callable[[], Option | None]]] = []
+        if have is not None:
+            context = self.state.context_of.get(pid) == have
+            options.append((0, lambda: option("counts", have, history.segments(have, context) or None)))
         if self.init_seed is not None and pid not in self.state.seed_failed:  # x₀ from the seed, also for a
-            segments = history.segments(0) if version else []  # known node whose version is no longer served
-            if segments is not None:
-                options.append((sum(len(s.payload) for s in segments), "seed", 0, segments))
-        start = history.epoch.start
-        segments = history.segments(start) if version > start else []
-        assert segments is not None, "the counts since the anchor are always kept"
-        options.append((4 * d + sum(len(s.payload) for s in segments), "full", start, segments))
+            options.append((0, lambda: option("seed", 0, history.segments(0) if version else [])))  # known node
+        start = history.epoch.start  # whose version is no longer served; the counts since the anchor: always kept
+
+        def anchor_option() -> Option | None:
+            segments = history.segments(start) if version > start else []
+            assert segments is not None, "the counts since the anchor are always kept"
+            return option("full", start, segments, 4 * d)
+
+        options.append((4 * d, anchor_option))
         return options
 
     def _chain_since(self, have: int) -> list[Broadcast] | None:

@@ -218,14 +218,10 @@ def _check_faults(cfg: dict[str, Any]) -> None:
 
 
 def _check_persistence(cfg: dict[str, Any]) -> None:
-    """Checkpoints need one of our strategies; state out of the context needs a folder."""
+    """Checkpoints need one of our strategies."""
     if cfg["strategy"] in FEDAVG_FAMILY and (cfg["checkpoint-every"] or cfg["resume"]):
         raise ValueError(
             f"run-config 'checkpoint-every' / 'resume' need one of our strategies, not Flower's {cfg['strategy']!r}"
-        )
-    if not cfg["state-in-context"] and not cfg["client-state-dir"]:
-        raise ValueError(
-            "run-config 'state-in-context' = false keeps the clients' state in files only: set 'client-state-dir'"
         )
 
 

@@ -310,15 +310,16 @@ GROUPS: dict[str, Group] = {
             "client-state-dir": Key(
                 "",
                 (
-                    "D-Lion family: clients also keep their state in files here (survives SuperNode restarts; exact "
-                    "resumes)"
+                    "D-Lion family: where clients keep their state files (survives SuperNode restarts; exact "
+                    "resumes; shared storage on a Ray cluster); empty: $FLOWER_DLION_STATE_DIR, else a temporary folder"
                 ),
             ),
             "state-in-context": Key(
-                True,
+                False,
                 (
-                    "D-Lion family: `false` keeps the clients' state in the `client-state-dir` files alone, not in "
-                    "`context.state` (for large models)"
+                    "D-Lion family: `true` keeps the clients' state in `context.state` (follows a client across the "
+                    "machines of a Ray cluster without shared storage; ~9 B a parameter of memory for every client "
+                    "touched)"
                 ),
             ),
         },
