@@ -275,15 +275,6 @@ class AnchoredHistory:
         assert self.counts is not None
         return anchored(self.anchor, self.counts, self.epoch.decay_at(self.version), self.epoch.step)
 
-    def apply(self, signs: torch.Tensor, num_levels: int, packed: bytes) -> torch.Tensor:
-        """One round of L = ``signs``: :meth:`apply_levels` of its levels. Returns x (a new tensor)."""
-        if num_levels not in (2, 3):
-            raise ValueError(f"the anchored downlink takes a vote (2 or 3 levels), got {num_levels} levels")
-        levels = signs.to(torch.int32).add(1)  # L + 1: the level (3 levels) or twice it (2)
-        return self.apply_levels(
-            levels.div_(2, rounding_mode="floor") if num_levels == 2 else levels, num_levels, packed
-        )
-
     def apply_levels(
         self, levels: torch.Tensor, num_levels: int, packed: bytes, out: torch.Tensor | None = None
     ) -> torch.Tensor:

@@ -444,7 +444,7 @@ def test_a_single_delta_segment_is_the_packed_delta_and_applies_like_its_code() 
     h = downlink.AnchoredHistory(torch.linspace(-1, 1, d), 0.995, 0.01, 100, ends, 1 << 30)
     for t in range(4):
         levels = torch.randint(0, 3, (d,), generator=torch.Generator().manual_seed(t), dtype=torch.int32)
-        h.apply(downlink.levels_to_signs(levels, 3), 3, codec.encode_levels(levels, 3).numpy().tobytes())
+        h.apply_levels(levels, 3, codec.encode_levels(levels, 3).numpy().tobytes())
     replica = downlink.Replica(h.anchor.clone(), 0, torch.from_numpy(h.counts_at(3)), 3)
     # Execute
     (packed,) = h.segments(3)

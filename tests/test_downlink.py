@@ -28,7 +28,7 @@ def _round(history: AnchoredHistory, t: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(t)
     levels = torch.randint(0, 3, (D,), generator=g, dtype=torch.int32)
     packed = codec.encode_levels(levels, 3).numpy().tobytes()
-    return history.apply(levels_to_signs(levels, 3), 3, packed)
+    return history.apply_levels(levels, 3, packed)
 
 
 def _replica(history: AnchoredHistory) -> Replica:
