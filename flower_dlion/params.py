@@ -8,8 +8,11 @@ other entry of the model's ``state_dict()`` is one of:
 kind       what happens to it
 ========== ================================================================================
 trainable  a slice of x: Lion-updated on every replica, 1 bit per value up
-frozen     a parameter with ``requires_grad=False``: sent once with the full model, never
-           updated
+frozen     a parameter with ``requires_grad=False`` (a LoRA run's base model, a pretrained
+           backbone): named by reference, never sent. Every node and the server use their
+           own copy; the hello carries its checksum (:func:`tensor_checksum`), and a node
+           whose copy differs from the server's, or from the federation's, is refused
+           naming the tensor, before it trains
 buffer     BatchNorm's running statistics, ``num_batches_tracked``, any registered buffer:
            each client keeps its own (its forward passes update them, as in FedBN) and
            uploads them every few rounds; the server's copy, which ``evaluate_fn`` and
@@ -19,7 +22,9 @@ alias      a second name of a parameter already listed (tied weights): the same 
 
 A :class:`ModelSpec` lists the entries in ``state_dict()`` order. The client sends it to the
 server once (in its hello), so a server given ``ArrayRecord(model.state_dict())`` knows which
-arrays are x; both sides check that the names and shapes agree before any training.
+arrays are x; both sides check that the names and shapes agree before any training. The
+server's arrays may leave the frozen entries out (as FlowerTune's ``get_peft_model_state_dict``
+does): the first node's checksums are then the federation's reference.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ __all__ = [
     "layer_mask",
     "layout_fingerprint",
     "state_checksum",
+    "tensor_checksum",
     "to_device",
 ]
 
@@ -67,6 +73,7 @@ class Entry:
     dtype: str  # torch's name without "torch.": "float32", "bfloat16", "int64", …
     kind: Kind
     target: str = ""  # alias: the name of the parameter it shares
+    checksum: int | None = None  # frozen: tensor_checksum of the describing side's copy
 
     @property
     def size(self) -> int:
@@ -85,8 +92,8 @@ class ModelSpec:
     entries: tuple[Entry, ...]
 
     @classmethod
-    def from_module(cls, model: nn.Module) -> ModelSpec:
-        """Describe ``model``.
+    def from_module(cls, model: nn.Module, *, checksums: bool = True) -> ModelSpec:
+        """Describe ``model``; ``checksums``: each frozen entry with its :func:`tensor_checksum`.
 
         Raises
         ------
@@ -114,15 +121,31 @@ class ModelSpec:
                 if first_name[id(p)] != name:
                     entries.append(Entry(name, shape, dtype, "alias", first_name[id(p)]))
                 else:
-                    entries.append(Entry(name, shape, dtype, "trainable" if p.requires_grad else "frozen"))
+                    kind: Kind = "trainable" if p.requires_grad else "frozen"
+                    crc = tensor_checksum(value) if kind == "frozen" and checksums else None
+                    entries.append(Entry(name, shape, dtype, kind, checksum=crc))
             elif name in buffers:
                 entries.append(Entry(name, shape, dtype, "buffer"))
-            else:  # a state_dict() extension of the model's own: kept as sent, like a frozen parameter
-                entries.append(Entry(name, shape, dtype, "frozen"))
+            else:  # a state_dict() extension of the model's own: named by reference, like a frozen parameter
+                crc = tensor_checksum(value) if checksums else None
+                entries.append(Entry(name, shape, dtype, "frozen", checksum=crc))
         spec = cls(tuple(entries))
         if not spec.trainable:
             raise ValueError("the model has no trainable parameter (requires_grad=True): nothing for Lion to train")
         return spec
+
+    @classmethod
+    def of_arrays(cls, arrays: Mapping[str, np.ndarray]) -> ModelSpec:
+        """A description of arrays whose clients sent none: every array is trainable (and must be floats)."""
+        for name, a in arrays.items():
+            if a.dtype.kind != "f":
+                raise ValueError(
+                    f"initial array {name!r} has dtype {a.dtype}: without a model description from the clients "
+                    "(DLionClient sends one) every initial array is a trainable parameter, and those must be floats"
+                )
+        if not arrays:
+            raise ValueError("initial ArrayRecord is empty")
+        return cls(tuple(Entry(name, tuple(a.shape), str(a.dtype), "trainable") for name, a in arrays.items()))
 
     # ------------------------------------------------------------------ views
     def of_kind(self, kind: Kind) -> tuple[Entry, ...]:
@@ -141,8 +164,8 @@ class ModelSpec:
 
     @functools.cached_property
     def rest(self) -> tuple[Entry, ...]:
-        """What a full model carries besides x: frozen parameters and buffers."""
-        return tuple(e for e in self.entries if e.kind in ("frozen", "buffer"))
+        """What a full model carries besides x: the buffers (frozen parameters are named by reference)."""
+        return self.buffers
 
     @property
     def d(self) -> int:
@@ -167,7 +190,9 @@ class ModelSpec:
     # ------------------------------------------------------------------ on the wire
     def encode(self) -> bytes:
         """The description as compact bytes (zlib-compressed JSON), for a hello; see :meth:`decode`."""
-        rows = [[e.name, e.kind, e.dtype, list(e.shape)] + ([e.target] if e.target else []) for e in self.entries]
+        if any(e.kind == "frozen" and e.checksum is None for e in self.entries):
+            raise ValueError("a frozen entry without its checksum: describe the model with checksums=True")
+        rows = [[e.name, e.kind, e.dtype, list(e.shape), *_extra(e)] for e in self.entries]
         return zlib.compress(json.dumps(rows, separators=(",", ":")).encode(), 9)
 
     @classmethod
@@ -177,11 +202,22 @@ class ModelSpec:
             rows = json.loads(zlib.decompressobj().decompress(data, 1 << 24))
             entries = []
             for row in rows:
-                name, kind, dtype, shape, *target = row
-                ok = all(isinstance(v, str) for v in (name, kind, dtype, *target)) and len(target) <= 1
+                name, kind, dtype, shape, *extra = row
+                if kind == "frozen" and not extra:
+                    raise ValueError(
+                        f"frozen entry {name!r} comes without its checksum: the node runs a flower-dlion older "
+                        "than 0.3, which sent frozen parameters instead of naming them by reference"
+                    )
+                ok = all(isinstance(v, str) for v in (name, kind, dtype))
+                ok = ok and len(extra) == (kind in ("alias", "frozen"))
+                if ok and kind == "alias":
+                    ok = isinstance(extra[0], str)
+                elif ok and kind == "frozen":
+                    ok = isinstance(extra[0], int) and not isinstance(extra[0], bool) and 0 <= extra[0] < 1 << 32
                 if not ok or kind not in KINDS or not all(isinstance(s, int) and s >= 0 for s in shape):
                     raise ValueError(f"entry {row!r}")
-                entries.append(Entry(name, tuple(shape), dtype, kind, target[0] if target else ""))
+                target, crc = (extra[0], None) if kind == "alias" else ("", extra[0] if extra else None)
+                entries.append(Entry(name, tuple(shape), dtype, kind, target, crc))
         except (TypeError, ValueError, zlib.error) as err:
             raise ValueError(f"malformed model description: {err}") from err
         spec = cls(tuple(entries))
@@ -198,21 +234,30 @@ class ModelSpec:
 
         Names and shapes must agree; x's arrays must be floating point. Dtypes may differ
         otherwise (Flower cannot hold bfloat16: a bfloat16 model's arrays come as float32).
+        Frozen entries (and their aliases) may be left out of ``arrays``; those present must have
+        this spec's checksum (their values, not only their shapes).
         """
-        names = [e.name for e in self.entries]
-        theirs = list(arrays)
-        if set(names) != set(theirs):
-            missing = [n for n in names if n not in arrays]
-            extra = [n for n in theirs if n not in set(names)]
+        names, theirs = [e.name for e in self.entries], list(arrays)
+        frozen = {e.name for e in self.of_kind("frozen")}
+        optional = frozen | {e.name for e in self.of_kind("alias") if e.target in frozen}
+        missing = [n for n in names if n not in arrays and n not in optional]
+        extra = [n for n in theirs if n not in set(names)]
+        if missing or extra:
             first = missing[0] if missing else extra[0]
             where = "the model has it, the arrays do not" if missing else "the arrays have it, the model does not"
             raise LayoutError(f"tensor {first!r}: {where} (model: {len(names)} entries, arrays: {len(theirs)})")
-        for e in self.entries:
+        for e in (e for e in self.entries if e.name in arrays):
             a = arrays[e.name]
             if tuple(a.shape) != e.shape:
                 raise LayoutError(f"tensor {e.name!r}: shape {tuple(a.shape)} in the arrays, {e.shape} in the model")
             if e.kind == "trainable" and np.dtype(a.dtype).kind != "f":
                 raise LayoutError(f"tensor {e.name!r}: a trainable parameter, but the arrays hold {a.dtype}")
+            if e.kind == "frozen" and e.checksum is not None and (crc := tensor_checksum(a)) != e.checksum:
+                raise LayoutError(
+                    f"tensor {e.name!r}: a frozen parameter (named by reference, never sent) whose values differ: "
+                    f"checksum {crc:#010x} in the arrays, {e.checksum:#010x} in the model. Every node must load the "
+                    "same frozen weights as the server (the same file, or the model built under the same torch seed)"
+                )
 
     def check_same(self, other: ModelSpec, *, theirs: str, ours: str) -> None:
         """Raise :class:`LayoutError` naming the first entry where ``other`` differs from this spec."""
@@ -227,7 +272,31 @@ class ModelSpec:
 
 def _describe(e: Entry) -> str:
     alias = f" of {e.target!r}" if e.target else ""
-    return f"{e.name!r} {e.kind}{alias} {e.dtype} {e.shape}"
+    crc = f" checksum {e.checksum:#010x}" if e.checksum is not None else ""
+    return f"{e.name!r} {e.kind}{alias} {e.dtype} {e.shape}{crc}"
+
+
+def _extra(e: Entry) -> list[str | int]:
+    """What an entry's row carries after its shape: an alias's target, a frozen entry's checksum."""
+    if e.kind == "alias":
+        return [e.target]
+    return [int(e.checksum)] if e.kind == "frozen" and e.checksum is not None else []
+
+
+def tensor_checksum(value: torch.Tensor | np.ndarray) -> int:
+    """CRC-32 of a tensor's values as float32 (floating point) or int64 (any other dtype), C order.
+
+    The same on every side whatever dtype carries the values: a bfloat16 or float16 tensor and
+    the float32 array Flower carries it as (exact) give the same checksum. Computed a slice at a
+    time, so a frozen base of billions of values needs no second copy.
+    """
+    t = torch.from_numpy(np.asarray(value)) if isinstance(value, np.ndarray) else value.detach()
+    flat = t.reshape(-1)
+    cast = torch.float32 if t.dtype.is_floating_point else torch.int64
+    crc, step = 0, 1 << 22
+    for i in range(0, flat.numel(), step):
+        crc = zlib.crc32(flat[i : i + step].to("cpu", cast).contiguous().numpy(), crc)
+    return crc
 
 
 def layout_fingerprint(names_and_shapes: Iterable[tuple[str, Sequence[int]]]) -> str:
@@ -301,7 +370,7 @@ class Binding:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self.spec = ModelSpec.from_module(model)
+        self.spec = ModelSpec.from_module(model, checksums=False)  # the frozen entries' values: described()
         tensors = model.state_dict(keep_vars=True)
         self._params = [tensors[e.name] for e in self.spec.trainable]
         self._rest = {e.name: tensors[e.name] for e in self.spec.rest}
@@ -312,8 +381,13 @@ class Binding:
         """X as the model holds it now: a flat float32 copy."""
         return torch.cat([p.detach().reshape(-1).float() for p in self._params])
 
+    @functools.cached_property
+    def described(self) -> ModelSpec:
+        """The spec with each frozen entry's checksum, as the hello carries it (computed once)."""
+        return ModelSpec.from_module(self.model)
+
     def rest(self) -> dict[str, torch.Tensor]:
-        """Copies of the frozen parameters and buffers, in order."""
+        """Copies of the buffers, in order."""
         return {name: t.detach().clone() for name, t in self._rest.items()}
 
     def buffers(self) -> dict[str, torch.Tensor]:
@@ -341,7 +415,7 @@ class Binding:
         self._loaded = None if key is None else (key, [p._version for p in self._params])
 
     def load_rest_(self, rest: Mapping[str, torch.Tensor]) -> None:
-        """Copy frozen parameters and buffers into the model (names of ``rest`` only)."""
+        """Copy buffers into the model (names of ``rest`` only)."""
         with torch.no_grad():
             for name, value in rest.items():
                 self._rest[name].copy_(value)

@@ -41,7 +41,7 @@ A ``query.dlion`` message (every strategy of ours, once per new node id) asks a 
 
 A full model (kind "full") also carries the rest of the model when it has any::
 
-    "dlion.rest"     ArrayRecord   the frozen parameters and buffers, by state_dict name
+    "dlion.rest"     ArrayRecord   the buffers, by state_dict name (frozen parameters: by reference)
 
 In a buffer round (``buffers`` = 1 in the config) a reply also holds Array "buffers" in
 "dlion.delta": the client's buffers, float32, flat, in the model description's order.

@@ -1,4 +1,4 @@
-"""The repository app's models: small CNNs for 28×28 grey images, and their evaluation.
+"""The repository app's models: small CNNs for 28×28 grey images (and, by name, the text models), and their evaluation.
 
 Any ``nn.Module`` works with the library (:mod:`flower_dlion.params`). :class:`Net` is the
 default federation's, kept without BatchNorm so that its results stay comparable with the
@@ -8,10 +8,13 @@ study's; :class:`NetBN` is the same CNN with BatchNorm after each convolution (r
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from flower_dlion.params import Binding, cross_entropy_loss
+from flower_dlion_app.text_models import TEXT_MODELS
 
 __all__ = ["MODELS", "Net", "NetBN", "evaluate", "flat_gradient", "flat_parameters", "seeded_net"]
 
@@ -60,10 +63,10 @@ class NetBN(Net):
         )
 
 
-MODELS: dict[str, type[Net]] = {"cnn": Net, "cnn-bn": NetBN}  # run config ``model``
+MODELS: dict[str, Callable[[], nn.Module]] = {"cnn": Net, "cnn-bn": NetBN} | TEXT_MODELS  # run config ``model``
 
 
-def seeded_net(seed: int, model: str = "cnn") -> Net:
+def seeded_net(seed: int, model: str = "cnn") -> nn.Module:
     """``MODELS[model]()`` initialized from ``torch.manual_seed(seed)``, without touching the global RNG.
 
     The server's initial model; a client given the same seed builds the same x₀ (checked by

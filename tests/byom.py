@@ -26,8 +26,9 @@ class ByomNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.embed = nn.Linear(784, 512)
-        self.frozen = nn.Linear(512, 64)
-        self.frozen.requires_grad_(False)
+        with torch.random.fork_rng(devices=[]):  # a pretrained layer: every node and the server load the same
+            torch.manual_seed(2024)
+            self.frozen = nn.Linear(512, 64).requires_grad_(False)
         self.bn = nn.BatchNorm1d(64)
         self.proj = nn.Linear(64, 64, bias=False)
         self.tied = nn.Linear(64, 64, bias=False)

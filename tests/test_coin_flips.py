@@ -71,8 +71,9 @@ class _Lora(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.base = nn.Linear(784, 10)
-        self.base.requires_grad_(False)
+        with torch.random.fork_rng(devices=[]):  # the pretrained base every node holds
+            torch.manual_seed(7)
+            self.base = nn.Linear(784, 10).requires_grad_(False)
         self.lora_A = nn.Parameter(torch.randn(4, 784) / 28)
         self.lora_B = nn.Parameter(torch.zeros(10, 4))
 

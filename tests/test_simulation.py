@@ -80,7 +80,7 @@ def test_a_users_model_with_batchnorm_frozen_and_tied_weights_through_flowers_si
     assert [h["num-replies"] for h in history] == [4] * 6
     assert all(h["num-rejected"] == 0 and h["checksum-mismatches"] == 0 for h in history)
     final = seen["result"].arrays.to_torch_state_dict()
-    assert torch.equal(final["frozen.weight"], initial["frozen.weight"])  # sent once, never updated
+    assert torch.equal(final["frozen.weight"], initial["frozen.weight"])  # never sent, never updated
     assert torch.equal(final["tied.weight"], final["proj.weight"])
     assert int(final["bn.num_batches_tracked"]) == 6  # the buffers of round 6, the last, averaged
     # 1 bit per trained parameter in the rounds without buffers (2–4): ≤ 1/31 of fp32 per reply

@@ -222,7 +222,7 @@ class DLionClient:
         answer = {
             "partition-id": int(context.node_config.get("partition-id", -1)),
             "version": -1 if node is None else node.version,
-            "model": spec.encode(),
+            "model": here.bound.described.encode(),  # frozen entries by checksum: they never travel
         }
         return Message(content=RecordDict({HELLO: ConfigRecord(answer)}), reply_to=msg)
 

@@ -22,7 +22,7 @@ is labelled by its purpose:
 ``"x"``, ``"anchor"``,    a replica's x, anchor or counts to the host (persisted, or
 ``"counts"``              decoded on the host), once per replica
 ``"m-persist"``           the momentum persisted every message (4·d, or 2·d in bfloat16)
-``"e-persist"``,          the error-feedback residual, buffers and frozen parameters
+``"e-persist"``,          the error-feedback residual and buffers
 ``"rest-persist"``        persisted every message
 ``"delta"``               received bytes to the device (the packed Δ, the packed counts)
 ``"buffers"``             the buffers a round sends the server

@@ -2,7 +2,7 @@
 
 What a train message says about x (``protocol.CONFIG`` ``kind``):
 
-* ``"full"``: the whole model (x, and the rest of the model: frozen parameters and buffers);
+* ``"full"``: the whole model (x, and the rest of the model: its buffers; frozen parameters never travel);
 * ``"deltas"``: the encoded Δs from ``base-version`` to ``version``, applied in order as the
   server applied them, ``x ← x − lr·(Δ + wd·x)`` (:func:`quantizers.apply_delta_`); Δs the
   replica already has (its reply was lost) are skipped;
@@ -411,7 +411,7 @@ def _check_layout(round_config: dict, spec: ModelSpec, node_id: int) -> None:
 
 
 def _received_rest(content: RecordDict, env: Apply) -> dict[str, torch.Tensor]:
-    """The frozen parameters and buffers of a full model, checked against the spec, on the device."""
+    """The buffers of a full model, checked against the spec, on the device."""
     spec, node_id = env.spec, env.node_id
     if not spec.rest:
         return {}
@@ -419,9 +419,7 @@ def _received_rest(content: RecordDict, env: Apply) -> dict[str, torch.Tensor]:
     names = [e.name for e in spec.rest]
     if record is None or list(record.keys()) != names:
         got = [] if record is None else list(record.keys())
-        raise ClientStateError(
-            f"node {node_id}: full model's frozen parameters and buffers are {got}, expected {names}"
-        )
+        raise ClientStateError(f"node {node_id}: full model's buffers are {got}, expected {names}")
     rest = {}
     for e in spec.rest:
         a = record[e.name].numpy()

@@ -74,7 +74,7 @@ class NodeState:
     replica: Replica
     m: torch.Tensor  # Lion momentum, float32 (d,)
     error: torch.Tensor | None = None  # error-feedback residual (upload "ef-sign"), float32 (d,)
-    rest: dict[str, torch.Tensor] = field(default_factory=dict)  # frozen parameters and buffers, by name
+    rest: dict[str, torch.Tensor] = field(default_factory=dict)  # the buffers, by name
     round: int = 0  # the server round whose train message left the node in this state
     previous: int = -1  # the version before the last catch-up (-1: none)
     undo: bytes = b""  # that catch-up's counts, to take it back should its reply be lost (.replica)

@@ -8,7 +8,7 @@ two, in one place, and a tensor handed here by mistake fails on the CPU as it wo
 What is persisted of a node (:class:`HostState`):
 
 * its own state: the Lion momentum m (float32, or the 16 bits of bfloat16), the error-feedback
-  residual e (``upload="ef-sign"``), its buffers and frozen parameters (``rest``), what it takes
+  residual e (``upload="ef-sign"``), its buffers (``rest``), what it takes
   to undo its last catch-up (``previous``, ``undo``), its version and round;
 * its replica: x itself (the chain downlink), or the anchor's version and the integer counts C
   since it (int8, int16 or int32, the narrowest that holds them) with γ and η (the anchored
@@ -96,7 +96,7 @@ class HostState:
     layout: str = ""  # the model's layout fingerprint (params.layout_fingerprint)
     m_dtype: str = "float32"
     error: np.ndarray | None = None  # error-feedback residual, float32
-    rest: dict[str, np.ndarray] = field(default_factory=dict)  # frozen parameters and buffers, by name
+    rest: dict[str, np.ndarray] = field(default_factory=dict)  # the buffers, by name
     x: np.ndarray | None = None  # float32; persisted only without an anchor (else recomputed on load)
     anchor: np.ndarray | None = None  # xₐ, float32
     anchor_version: int = 0
@@ -186,7 +186,7 @@ class Expected:
     d: int
     owner: str
     layout: str
-    rest: dict[str, tuple[int, ...]]  # frozen parameters and buffers: name → shape
+    rest: dict[str, tuple[int, ...]]  # the buffers: name → shape
     held: frozenset = frozenset()  # replicas this process holds (.resident.Ident): their x is not recomputed
 
 
@@ -215,7 +215,7 @@ def check_state(host: HostState, expect: Expected) -> None:
 
 
 def _check_own(host: HostState, expect: Expected) -> None:
-    """The node's own arrays: m, e, its buffers and frozen parameters, the coder context, the undo record."""
+    """The node's own arrays: m, e, its buffers, the coder context, the undo record."""
     d = expect.d
     m_kind = {"float32": np.float32, "bfloat16": np.uint16}.get(host.m_dtype)
     _check_array("m", host.m, d, (m_kind,) if m_kind else ())
@@ -231,7 +231,7 @@ def _check_own(host: HostState, expect: Expected) -> None:
     sizes = {k: v.size for k, v in host.rest.items()}
     if sizes != {k: math.prod(shape) for k, shape in expect.rest.items()}:
         found = {k: v.shape for k, v in host.rest.items()}
-        raise StateRefused(f"its frozen parameters and buffers are {found}, the model's are {expect.rest}")
+        raise StateRefused(f"its buffers are {found}, the model's are {expect.rest}")
     for name, a in host.rest.items():
         if a.dtype.kind in "fc" and not np.isfinite(a).all():
             raise StateRefused(f"{name!r} has non-finite values")

@@ -1,8 +1,8 @@
 """What both of our strategies share: checks, the server's model, sampling (through its nodes), the round loop.
 
 The server's model is a flat float32 vector x (the trainable parameters) plus the rest of the
-model's state_dict (frozen parameters, buffers; see :mod:`flower_dlion.params`). Nodes are known
-by their partition id (or, without one, their node id) and sampled reproducibly; the round loop
+model's state_dict (buffers; frozen parameters, named by reference: :mod:`flower_dlion.params`).
+Nodes are known by their partition id (or, without one, their node id) and sampled reproducibly; the round loop
 can start at a later round (a resume); federated evaluation sends Flower's own evaluate messages.
 """
 
@@ -22,13 +22,13 @@ from flwr.serverapp.strategy import Strategy
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 from flwr.supercore import log
 
-from ..params import Entry, ModelSpec
+from ..params import ModelSpec
 from ..protocol import RejectedReply, error_text, to_array
 from .nodes import Nodes
 from .run_loop import DLionResult, run_rounds, run_totals
 from .run_stops import FailedRounds, whole_reason
 
-__all__ = ["CheckedReplies", "DLionResult", "Layout", "ServerModelStrategy", "check_common_args", "spec_of_arrays"]
+__all__ = ["CheckedReplies", "DLionResult", "Layout", "ServerModelStrategy", "check_common_args"]
 
 Layout = list[tuple[str, tuple[int, ...]]]
 R = TypeVar("R")
@@ -52,19 +52,6 @@ def check_common_args(*, lr: float, weight_decay: float, betas: dict[str, float]
     for name, beta in betas.items():
         if not 0.0 <= beta < 1.0:
             raise ValueError(f"Invalid {name} parameter: {beta} (must be in [0, 1))")
-
-
-def spec_of_arrays(arrays: dict[str, np.ndarray]) -> ModelSpec:
-    """A model description for arrays whose clients sent none: every array is trainable."""
-    for name, a in arrays.items():
-        if a.dtype.kind != "f":
-            raise ValueError(
-                f"initial array {name!r} has dtype {a.dtype}: without a model description from the clients "
-                "(DLionClient sends one) every initial array is a trainable parameter, and those must be floats"
-            )
-    if not arrays:
-        raise ValueError("initial ArrayRecord is empty")
-    return ModelSpec(tuple(Entry(name, tuple(a.shape), str(a.dtype), "trainable") for name, a in arrays.items()))
 
 
 class ServerModelStrategy(Strategy):
@@ -142,7 +129,8 @@ class ServerModelStrategy(Strategy):
         self.x: torch.Tensor | None = None  # the global model's trainable parameters, flat float32
         self.spec: ModelSpec | None = None  # what the model holds (set with x)
         self._layout: Layout = []  # (name, shape) of each tensor of x
-        self._rest: dict[str, np.ndarray] = {}  # frozen parameters and buffers, by name
+        self._rest: dict[str, np.ndarray] = {}  # the buffers, by name (what full messages carry besides x)
+        self._frozen: dict[str, np.ndarray] = {}  # the initial arrays' frozen parameters: never sent, returned
         self._out: dict[str, np.dtype] = {}  # name → the initial array's dtype (how arrays() returns it)
         self.nodes = Nodes(self, lambda node_id, why: self._failures.reject(node_id, why))
         self._outbox: list[Message] = []  # the train messages of the round in progress
@@ -174,7 +162,7 @@ class ServerModelStrategy(Strategy):
 
         """
         values = {name: arr.numpy() for name, arr in arrays.items()}
-        spec = spec_of_arrays(values) if spec is None else spec
+        spec = ModelSpec.of_arrays(values) if spec is None else spec
         spec.check_arrays(values)
         self.spec = spec
         self._layout = spec.layout
@@ -186,6 +174,7 @@ class ServerModelStrategy(Strategy):
             ]
         ).clone()
         self._rest = {e.name: np.array(values[e.name]) for e in spec.rest}
+        self._frozen = {e.name: values[e.name] for e in spec.of_kind("frozen") if e.name in values}
 
     def arrays(self) -> ArrayRecord:
         """The global model as an ArrayRecord with the initial names, shapes and dtypes (a state_dict)."""
@@ -194,9 +183,10 @@ class ServerModelStrategy(Strategy):
         for e in self.spec.trainable:
             out[e.name] = flat[offset : offset + e.size].reshape(e.shape).astype(self._out[e.name], copy=False)
             offset += e.size
+        out |= self._rest | self._frozen
         for e in self.spec.of_kind("alias"):
-            out[e.name] = out[e.target] if e.target in out else self._rest[e.target]
-        out |= self._rest
+            if e.target in out:  # not an alias of a frozen parameter the server holds no copy of
+                out[e.name] = out[e.target]
         return ArrayRecord({name: to_array(out[name]) for name in self._out})  # the values copied once
 
     def _sample_with_model(self, grid: Grid, server_round: int, arrays: ArrayRecord) -> list[int]:
@@ -411,6 +401,7 @@ class ServerModelStrategy(Strategy):
             "x": None if self.x is None else self.x.clone(),
             "spec": None if self.spec is None else self.spec.encode(),
             "rest": {name: torch.from_numpy(a.copy()) for name, a in self._rest.items()},
+            "frozen": {name: torch.from_numpy(np.array(a)) for name, a in self._frozen.items()},
             "out-dtypes": {name: str(dtype) for name, dtype in self._out.items()},
             "partitions": dict(self.nodes.node_of),  # only informative: node ids change after a resume
             "history": [dict(h) for h in self.history],
@@ -422,6 +413,7 @@ class ServerModelStrategy(Strategy):
         self.spec = None if state["spec"] is None else ModelSpec.decode(state["spec"])
         self._layout = [] if self.spec is None else self.spec.layout
         self._rest = {name: t.numpy().copy() for name, t in state["rest"].items()}
+        self._frozen = {name: t.numpy().copy() for name, t in state.get("frozen", {}).items()}
         self._out = {name: np.dtype(dtype) for name, dtype in state["out-dtypes"].items()}
         self.nodes.forget()
         self.history = [dict(h) for h in state.get("history", [])]

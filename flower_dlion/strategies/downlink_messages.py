@@ -237,7 +237,7 @@ class Downlink:
         }
 
     def _add_rest(self, content: RecordDict) -> None:
-        """Add the frozen parameters and buffers to a message that carries the full model."""
+        """Add the buffers to a message that carries the full model (frozen parameters never travel)."""
         if self.model.rest:
             content[REST] = ArrayRecord({name: to_array(a) for name, a in self.model.rest.items()})
 

@@ -61,7 +61,7 @@ class ModelView:
 
     @property
     def rest(self) -> dict[str, np.ndarray]:
-        """The frozen parameters and buffers, by name."""
+        """The buffers, by name (what a full model carries besides x)."""
         return self._strategy._rest
 
     @property

@@ -18,8 +18,9 @@ from flwr.app import Context
 
 from flower_dlion.clients.dlion import ClientStateError, resolve_device
 from flower_dlion_app.config import read_config
-from flower_dlion_app.data import FashionMNIST, load_fashion_mnist, partition_indices, sample_batch, to_tensor
+from flower_dlion_app.data import sample_batch
 from flower_dlion_app.model import MODELS, Net
+from flower_dlion_app.tasks import TaskData, client_data
 
 __all__ = [
     "PartitionBatches",
@@ -81,37 +82,12 @@ def partition_id(context: Context) -> tuple[int, int]:
         ) from err
 
 
-@functools.lru_cache(maxsize=4)
-def _partitions(
-    data_dir: str, partitioner: str, num_partitions: int, alpha: float, seed: int, cpp: int, holdout: int
-) -> tuple[FashionMNIST, list[np.ndarray]]:
-    ds = load_fashion_mnist(data_dir)
-    labels = ds.y_train[: ds.y_train.size - holdout]  # the last `holdout` images are the server's validation set
-    parts = partition_indices(
-        labels,
-        partitioner=partitioner,
-        num_partitions=num_partitions,
-        alpha=alpha,
-        seed=seed,
-        classes_per_partition=cpp,
-    )
-    return ds, parts
-
-
-def partition(context: Context, settings: dict[str, Any]) -> tuple[FashionMNIST, np.ndarray, int]:
-    """The dataset, this node's training rows and its partition id."""
+def partition(context: Context, settings: dict[str, Any]) -> tuple[TaskData, np.ndarray, int]:
+    """The task's data (run config ``dataset``: :mod:`flower_dlion_app.tasks`), this node's training rows, its id."""
     pid, num_partitions = partition_id(context)
-    ds, parts = _partitions(
-        settings["data-dir"],
-        settings["partitioner"],
-        num_partitions,
-        settings["alpha"],
-        settings["seed"],
-        settings["classes-per-partition"],
-        settings["holdout"],
-    )
     if not 0 <= pid < num_partitions:
         raise ClientStateError(f"node {context.node_id}: partition-id {pid} not in [0, {num_partitions})")
+    ds, parts = client_data(settings, num_partitions)
     return ds, parts[pid], pid
 
 
@@ -125,10 +101,11 @@ def batch(
     device: torch.device,
     step: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The round's ``step``-th minibatch (images, labels) on ``device`` and the partition id."""
+    """The round's ``step``-th minibatch (inputs, targets) on ``device`` and the partition id."""
     ds, rows, pid = partition(context, settings)
     rows = sample_batch(rows, batch_size, seed=seed, partition_id=pid, server_round=server_round, step=step)
-    return to_tensor(ds.x_train[rows]).to(device), torch.from_numpy(ds.y_train[rows]).to(device), pid
+    inputs, targets = ds.train(rows)
+    return inputs.to(device), targets.to(device), pid
 
 
 class PartitionBatches:

@@ -27,7 +27,6 @@ from torch import nn
 from flower_dlion.clients.state import ClientStateError
 from flower_dlion.protocol import CONTROL
 from flower_dlion_app.clients.common import byzantine, partition, partition_id, setup
-from flower_dlion_app.data import to_tensor
 
 __all__ = ["train"]
 
@@ -40,7 +39,7 @@ def train(msg: Message, context: Context) -> Message:
     round_config = msg.content["config"]
     model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
     ds, rows, pid = partition(context, settings)
-    images, labels = to_tensor(ds.x_train[rows]).to(device), torch.from_numpy(ds.y_train[rows]).to(device)
+    images, labels = (t.to(device) for t in ds.train(rows))
     opt = torch.optim.SGD(
         model.parameters(),
         lr=float(round_config["lr"]),

@@ -142,7 +142,14 @@ def _check_data(cfg: dict[str, Any]) -> None:
     every client): num-partitions comes from the nodes' node config, which the run config does not
     know, so only the bound for one partition is checked here.
     """
-    cpp, partitioner = cfg["classes-per-partition"], cfg["partitioner"]
+    from flower_dlion_app.tasks import MODELS_OF, PARTITIONERS_OF
+
+    cpp, partitioner, dataset = cfg["classes-per-partition"], cfg["partitioner"], cfg["dataset"]
+    for key, allowed in (("model", MODELS_OF[dataset]), ("partitioner", PARTITIONERS_OF[dataset])):
+        if cfg[key] not in allowed:
+            raise ValueError(f"run-config '{key}' = {cfg[key]!r} does not go with dataset {dataset!r}: {allowed}")
+    if dataset == "shakespeare" and cfg["data-dir"]:
+        raise ValueError(f"run-config 'data-dir' is Fashion-MNIST's folder, not Shakespeare's: got {cfg['data-dir']!r}")
     if partitioner == "pathological" and cpp > NUM_CLASSES:
         raise ValueError(
             f"run-config 'classes-per-partition' must be <= {NUM_CLASSES} (Fashion-MNIST's classes) for "

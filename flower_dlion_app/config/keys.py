@@ -35,8 +35,10 @@ GROUPS: dict[str, Group] = {
             "model": Key(
                 "cnn",
                 (
-                    "the repository app's model: `cnn` (281,034 parameters, no BatchNorm) or `cnn-bn` (the same with "
-                    "BatchNorm after each convolution, 281,130)"
+                    "the repository app's model: for `fashion-mnist`, `cnn` (281,034 parameters, no BatchNorm) or "
+                    "`cnn-bn` (the same with BatchNorm after each convolution, 281,130); for `shakespeare`, "
+                    "`char-lstm` (McMahan et al.'s LSTM, 820,185) or `char-transformer` (a char-level decoder-only "
+                    "transformer, tied embeddings)"
                 ),
             ),
             "lr": Key(0.002, "learning rate (server and replicas; FedAvg: the clients' SGD)"),
@@ -197,8 +199,22 @@ GROUPS: dict[str, Group] = {
     "data": Group(
         "the data and how it is split over the clients",
         {
+            "dataset": Key(
+                "fashion-mnist",
+                (
+                    "`fashion-mnist` (28×28 images, 10 classes) or `shakespeare` (LEAF's next-character task: each "
+                    "speaking role of a play is a client; `flower_dlion_app/tasks.py`)"
+                ),
+            ),
             "batch-size": Key(64, "samples per client per round (one gradient per round); FedAvg's local batch"),
-            "partitioner": Key("dirichlet", "`iid`, `dirichlet`, `pathological`, `shard` (flwr-datasets partitioners)"),
+            "partitioner": Key(
+                "dirichlet",
+                (
+                    "`fashion-mnist`: `iid`, `dirichlet`, `pathological`, `shard` (flwr-datasets partitioners); "
+                    "`shakespeare`: `natural` (one role a client) or `iid` (the control: the roles' sizes, windows "
+                    "shuffled)"
+                ),
+            ),
             "alpha": Key(0.5, "Dirichlet concentration (smaller = more skewed)"),
             "classes-per-partition": Key(2, "classes per client for `pathological`, shards for `shard`"),
             "seed": Key(0, "seeds the model init, the partitions and every client's minibatches"),
@@ -206,7 +222,7 @@ GROUPS: dict[str, Group] = {
                 0,
                 (
                     "keep the last k training images from the clients and evaluate on them instead of the test set "
-                    "(for tuning)"
+                    "(for tuning); `shakespeare`: k test windows other than the test set's"
                 ),
             ),
             "data-dir": Key("", "a folder with the Fashion-MNIST IDX files (or torchvision's `FashionMNIST/raw`)"),
@@ -348,8 +364,9 @@ BYZANTINE_MODES = ("flip", "random", "scale", "momentum", "little")  # clients/a
 
 _CHOICES = {
     "strategy": STRATEGIES,
-    "model": ("cnn", "cnn-bn"),  # model.MODELS
-    "partitioner": ("iid", "dirichlet", "pathological", "shard"),
+    "model": ("cnn", "cnn-bn", "char-lstm", "char-transformer"),  # model.MODELS
+    "dataset": ("fashion-mnist", "shakespeare"),  # tasks.DATASETS
+    "partitioner": ("iid", "dirichlet", "pathological", "shard", "natural"),
     "device": ("auto", "cpu", "cuda"),
     "upload": ("sign", "sum", "ef-sign"),
     "local-optimizer": ("lion", "sgd"),

@@ -65,13 +65,14 @@ def partition_key(run_config: dict[str, Any], num_clients: int) -> tuple[Any, ..
     Returns
     -------
     tuple
-        ``(data-dir, partitioner, num_clients, alpha, seed, classes-per-partition, holdout)``.
+        ``(dataset, data-dir, partitioner, num_clients, alpha, seed, classes-per-partition, holdout)``.
 
     """
     from flower_dlion_app.config import read_config
 
     cfg = read_config(run_config)
     return (
+        cfg["dataset"],
         cfg["data-dir"],
         cfg["partitioner"],
         num_clients,
@@ -95,10 +96,18 @@ def cell_coverage(run_config: dict[str, Any], num_clients: int) -> dict[str, Any
 
 @functools.lru_cache(maxsize=64)
 def _coverage(
-    data_dir: str, partitioner: str, num_clients: int, alpha: float, seed: int, cpp: int, holdout: int
+    dataset: str, data_dir: str, partitioner: str, num_clients: int, alpha: float, seed: int, cpp: int, holdout: int
 ) -> dict[str, Any]:
     from flower_dlion_app.data import load_fashion_mnist, partition_indices
 
+    if dataset == "shakespeare":  # a client is a role with one window at least; no class is any client's to give
+        from flower_dlion_app.tasks import client_data
+
+        settings = {"dataset": dataset, "data-dir": data_dir, "partitioner": partitioner, "alpha": alpha}
+        _, parts = client_data(settings | {"seed": seed, "classes-per-partition": cpp, "holdout": holdout}, num_clients)
+        sizes = [int(p.size) for p in parts]
+        empty = [i for i, n in enumerate(sizes) if not n]
+        return {"client_sizes": sizes, "missing_classes": [], "empty_clients": empty}
     ds = load_fashion_mnist(data_dir)
     labels = ds.y_train[: ds.y_train.size - holdout]  # as clients.common: the last `holdout` images are the server's
     parts = partition_indices(

@@ -85,18 +85,18 @@ class Cell:
 
 
 def parse_partition(spec: str) -> dict[str, Any]:
-    """``iid``, ``dirichlet-<alpha>``, ``pathological-<k>`` or ``shard-<k>`` → run config keys."""
+    """``iid``, ``natural``, ``dirichlet-<alpha>``, ``pathological-<k>`` or ``shard-<k>`` → run config keys."""
     kind, _, arg = spec.partition("-")
     try:
-        if kind == "iid" and not arg:
-            return {"partitioner": "iid"}
+        if kind in ("iid", "natural") and not arg:
+            return {"partitioner": kind}
         if kind == "dirichlet":
             return {"partitioner": "dirichlet", "alpha": float(arg)}
         if kind in ("pathological", "shard"):
             return {"partitioner": kind, "classes-per-partition": int(arg)}
     except ValueError:
         pass
-    raise ValueError(f"partition {spec!r}: expected iid, dirichlet-<alpha>, pathological-<k> or shard-<k>")
+    raise ValueError(f"partition {spec!r}: expected iid, natural, dirichlet-<alpha>, pathological-<k> or shard-<k>")
 
 
 def _short(value: Any) -> str:
