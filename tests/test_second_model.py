@@ -17,7 +17,8 @@ from flower_dlion_app.server_app import run_federation
 
 def test_model_choices_are_the_models() -> None:
     assert _CHOICES["model"] == tuple(MODELS)
-    with pytest.raises(ValueError, match=r"'model' must be one of \('cnn', 'cnn-bn'\), got 'resnet'"):
+    choices = r"\('cnn', 'cnn-bn', 'char-lstm', 'char-transformer'\)"
+    with pytest.raises(ValueError, match=rf"'model' must be one of {choices}, got 'resnet'"):
         read_config({"model": "resnet"})
     assert isinstance(seeded_net(3, "cnn-bn"), NetBN)
     a, b = seeded_net(3, "cnn-bn").state_dict(), seeded_net(3, "cnn-bn").state_dict()
