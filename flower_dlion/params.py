@@ -229,14 +229,16 @@ class ModelSpec:
         return spec
 
     # ------------------------------------------------------------------ checks
-    def check_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
+    def check_arrays(self, arrays: Mapping[str, np.ndarray], checksums: dict[str, int] | None = None) -> None:
         """Raise :class:`LayoutError` naming the first tensor where ``arrays`` (name → array) differ.
 
         Names and shapes must agree; x's arrays must be floating point. Dtypes may differ
         otherwise (Flower cannot hold bfloat16: a bfloat16 model's arrays come as float32).
         Frozen entries (and their aliases) may be left out of ``arrays``; those present must have
-        this spec's checksum (their values, not only their shapes).
+        this spec's checksum (their values, not only their shapes). ``checksums``: those known so far,
+        by name, filled in as computed (the server reads its copy of a base once for all hellos).
         """
+        known = {} if checksums is None else checksums
         names, theirs = [e.name for e in self.entries], list(arrays)
         frozen = {e.name for e in self.of_kind("frozen")}
         optional = frozen | {e.name for e in self.of_kind("alias") if e.target in frozen}
@@ -252,12 +254,14 @@ class ModelSpec:
                 raise LayoutError(f"tensor {e.name!r}: shape {tuple(a.shape)} in the arrays, {e.shape} in the model")
             if e.kind == "trainable" and np.dtype(a.dtype).kind != "f":
                 raise LayoutError(f"tensor {e.name!r}: a trainable parameter, but the arrays hold {a.dtype}")
-            if e.kind == "frozen" and e.checksum is not None and (crc := tensor_checksum(a)) != e.checksum:
-                raise LayoutError(
-                    f"tensor {e.name!r}: a frozen parameter (named by reference, never sent) whose values differ: "
-                    f"checksum {crc:#010x} in the arrays, {e.checksum:#010x} in the model. Every node must load the "
-                    "same frozen weights as the server (the same file, or the model built under the same torch seed)"
-                )
+            if e.kind == "frozen" and e.checksum is not None:
+                crc = known[e.name] = known.get(e.name) or tensor_checksum(a)
+                if crc != e.checksum:
+                    raise LayoutError(
+                        f"tensor {e.name!r}: a frozen parameter (named by reference, never sent) whose values "
+                        f"differ: checksum {crc:#010x} in the arrays, {e.checksum:#010x} in the model. Every node "
+                        "must load the same frozen weights as the server (the same file, or the same torch seed)"
+                    )
 
     def check_same(self, other: ModelSpec, *, theirs: str, ours: str) -> None:
         """Raise :class:`LayoutError` naming the first entry where ``other`` differs from this spec."""
@@ -290,12 +294,16 @@ def tensor_checksum(value: torch.Tensor | np.ndarray) -> int:
     the float32 array Flower carries it as (exact) give the same checksum. Computed a slice at a
     time, so a frozen base of billions of values needs no second copy.
     """
-    t = torch.from_numpy(np.asarray(value)) if isinstance(value, np.ndarray) else value.detach()
-    flat = t.reshape(-1)
-    cast = torch.float32 if t.dtype.is_floating_point else torch.int64
-    crc, step = 0, 1 << 22
-    for i in range(0, flat.numel(), step):
-        crc = zlib.crc32(flat[i : i + step].to("cpu", cast).contiguous().numpy(), crc)
+    step, crc = 1 << 22, 0
+    if isinstance(value, np.ndarray):  # Flower's arrays (often read-only buffers): numpy alone
+        flat, cast = value.reshape(-1), np.float32 if value.dtype.kind == "f" else np.int64
+        parts = (np.ascontiguousarray(flat[i : i + step], dtype=cast) for i in range(0, flat.size, step))
+    else:
+        t = value.detach().reshape(-1)
+        kind = torch.float32 if t.dtype.is_floating_point else torch.int64
+        parts = (t[i : i + step].to("cpu", kind).contiguous().numpy() for i in range(0, t.numel(), step))
+    for part in parts:
+        crc = zlib.crc32(part, crc)
     return crc
 
 

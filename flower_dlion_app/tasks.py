@@ -32,6 +32,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from flower_dlion_app import shakespeare
 from flower_dlion_app.data import load_fashion_mnist, partition_indices, to_tensor
 
 __all__ = ["DATASETS", "EVAL_WINDOWS", "MODELS_OF", "PARTITIONERS_OF", "TaskData", "client_data", "evaluation_set"]
@@ -59,14 +60,10 @@ class _Images:
 
 class _Text:
     def __init__(self) -> None:
-        from flower_dlion_app.shakespeare import load_shakespeare
-
-        self.data = load_shakespeare()
+        self.data = shakespeare.load_shakespeare()
 
     def train(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        from flower_dlion_app.shakespeare import batch
-
-        return batch(self.data, np.asarray(rows), split="train")
+        return shakespeare.batch(self.data, np.asarray(rows), split="train")
 
 
 @functools.lru_cache(maxsize=4)
@@ -83,14 +80,12 @@ def _partitions(
         labels = labels[: labels.size - holdout]  # the last `holdout` images are the server's validation set
         kw = {"alpha": alpha, "seed": seed, "classes_per_partition": cpp}
         return tuple(partition_indices(labels, partitioner=partitioner, num_partitions=num_partitions, **kw))
-    from flower_dlion_app.shakespeare import partitions
-
     text = _data(dataset, data_dir)
     assert isinstance(text, _Text)
     roles = text.data.num_clients
     if num_partitions > roles:
         raise ValueError(f"num-partitions {num_partitions}: Shakespeare has {roles} roles, one a client at most")
-    parts = partitions(text.data, "role" if partitioner == "natural" else "iid", seed=seed)
+    parts = shakespeare.partitions(text.data, "role" if partitioner == "natural" else "iid", seed=seed)
     order = np.arange(roles) if num_partitions == roles else np.random.default_rng([seed, 0x5EED]).permutation(roles)
     return tuple(parts[i] for i in order[:num_partitions])
 
@@ -118,11 +113,9 @@ def evaluation_set(cfg: dict[str, Any]) -> tuple[str, torch.Tensor, torch.Tensor
             rows = slice(data.y_train.size - cfg["holdout"], None)
             return "validation", to_tensor(data.x_train[rows]), torch.from_numpy(data.y_train[rows])
         return "test", to_tensor(data.x_test), torch.from_numpy(data.y_test)
-    from flower_dlion_app.shakespeare import batch, load_shakespeare
-
-    text = load_shakespeare()
+    text = shakespeare.load_shakespeare()
     n, holdout = EVAL_WINDOWS, cfg["holdout"]
     order = np.random.default_rng(0).permutation(text.test.num_windows)
     rows = np.sort(order[n : n + holdout]) if holdout else np.sort(order[:n])  # validation: after the test draw
-    x, y = batch(text, rows, split="test")
+    x, y = shakespeare.batch(text, rows, split="test")
     return ("validation" if holdout else "test"), x, y

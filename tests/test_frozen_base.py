@@ -17,7 +17,7 @@ from flwr.app import ArrayRecord, Context, Message
 from flwr.clientapp import ClientApp
 from torch import nn
 
-from flower_dlion import DistributedLion, DLionClient
+from flower_dlion import DistributedLion, DLionClient, params
 from flower_dlion.params import LayoutError, ModelSpec, tensor_checksum
 from flower_dlion.protocol import RejectedReply
 from flower_dlion.strategies.nodes import described_model
@@ -175,13 +175,21 @@ def test_lora_through_dlion_trains_only_the_adapters_and_never_sends_the_base() 
 
 
 def test_a_server_whose_base_differs_from_every_node_stops_before_round_1_naming_it(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Prepare: the server loaded the base of seed 3, the nodes that of seed 0
+    # Prepare: the server loaded the base of seed 3, the nodes that of seed 0; the server's checksums counted
     initial = ArrayRecord(lora_model(3).state_dict())
-    grid = LocalGrid(make_app(lora_model), 2)
+    grid = LocalGrid(make_app(lora_model), 3)
     strategy = DistributedLion(lr=1e-3)
     caplog.set_level(logging.WARNING)
+    server_side: list[tuple[int, ...]] = []
+
+    def counted(value):  # the server's copies are numpy arrays, the nodes' torch tensors
+        if isinstance(value, np.ndarray):
+            server_side.append(value.shape)
+        return tensor_checksum(value)
+
+    monkeypatch.setattr(params, "tensor_checksum", counted)
     # Execute
     with pytest.raises(ValueError, match="no node can take part") as err:
         strategy.start(grid, initial, num_rounds=2)
@@ -189,6 +197,7 @@ def test_a_server_whose_base_differs_from_every_node_stops_before_round_1_naming
     said = str(err.value) + " ".join(r.getMessage() for r in caplog.records)
     assert "tensor 'base_model.model.transformer.wte.weight': a frozen parameter" in said
     assert not any(h.get("num-replies") for h in strategy.history)
+    assert len(server_side) == 1  # three refused hellos, the server's copy of the first tensor read once
 
 
 def test_a_server_without_the_base_takes_the_first_nodes_checksums_and_returns_the_adapters() -> None:

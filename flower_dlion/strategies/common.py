@@ -139,6 +139,7 @@ class ServerModelStrategy(Strategy):
         self.history: list[dict[str, Any]] = []  # one dict of metrics per aggregated round (subclasses fill it)
         self._initial: dict[str, np.ndarray] | None = None  # the initial arrays, until x is made from them
         self._described: ModelSpec | None = None  # the model description the first valid hello gave
+        self._initial_checksums: dict[str, int] = {}  # of the initial arrays' frozen tensors, once computed
 
     @property
     def num_parameters(self) -> int:
@@ -163,7 +164,7 @@ class ServerModelStrategy(Strategy):
         """
         values = {name: arr.numpy() for name, arr in arrays.items()}
         spec = ModelSpec.of_arrays(values) if spec is None else spec
-        spec.check_arrays(values)
+        spec.check_arrays(values, self._initial_checksums)
         self.spec = spec
         self._layout = spec.layout
         self._out = {name: a.dtype for name, a in values.items()}
@@ -202,6 +203,7 @@ class ServerModelStrategy(Strategy):
         """
         if self.x is None:
             self._initial = {name: arr.numpy() for name, arr in arrays.items()}
+            self._initial_checksums = {}
         node_ids = self._sample(grid, server_round)
         if self.x is None:
             if not node_ids and self.nodes.refused:

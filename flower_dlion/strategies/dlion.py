@@ -313,7 +313,7 @@ class DistributedLion(ServerModelStrategy):
         (:func:`~.nodes.described_model`); a hello without one (a client of another library) is taken as it is.
         """
         reference = self.spec if self.spec is not None else self._described
-        spec = described_model(node_id, record, reference, self._initial)
+        spec = described_model(node_id, record, reference, self._initial, self._initial_checksums)
         if reference is None and spec is not None:
             self._described = spec
 

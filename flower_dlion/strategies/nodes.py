@@ -39,7 +39,11 @@ _NO_CLIENT = (
 
 
 def described_model(
-    node_id: int, record: ConfigRecord | MetricRecord, reference: ModelSpec | None, initial: dict[str, Any] | None
+    node_id: int,
+    record: ConfigRecord | MetricRecord,
+    reference: ModelSpec | None,
+    initial: dict[str, Any] | None,
+    checksums: dict[str, int] | None = None,
 ) -> ModelSpec | None:
     """The model a hello describes (``record["model"]``), checked; None for a hello without one.
 
@@ -64,7 +68,7 @@ def described_model(
             reference.check_same(spec, theirs=f"node {node_id}", ours="the server")
         else:
             assert initial is not None, "a hello before configure_train"
-            spec.check_arrays(initial)
+            spec.check_arrays(initial, checksums)
     except LayoutError as err:
         why = f"its model does not match the {'federation' if reference else 'initial arrays'}: {err}"
         raise RejectedReply(why, final=True) from err
