@@ -260,7 +260,8 @@ class ModelSpec:
                     raise LayoutError(
                         f"tensor {e.name!r}: a frozen parameter (named by reference, never sent) whose values "
                         f"differ: checksum {crc:#010x} in the arrays, {e.checksum:#010x} in the model. Every node "
-                        "must load the same frozen weights as the server (the same file, or the same torch seed)"
+                        "must build the server's frozen weights (load them from one file, or seed them alike: "
+                        "torch.manual_seed before building them; docs/GUIDE.md#your-model)"
                     )
 
     def check_same(self, other: ModelSpec, *, theirs: str, ours: str) -> None:
@@ -290,9 +291,8 @@ def _extra(e: Entry) -> list[str | int]:
 def tensor_checksum(value: torch.Tensor | np.ndarray) -> int:
     """CRC-32 of a tensor's values as float32 (floating point) or int64 (any other dtype), C order.
 
-    The same on every side whatever dtype carries the values: a bfloat16 or float16 tensor and
-    the float32 array Flower carries it as (exact) give the same checksum. Computed a slice at a
-    time, so a frozen base of billions of values needs no second copy.
+    The same whatever dtype carries the values (a bfloat16 tensor and the float32 array Flower
+    carries it as agree), computed a slice at a time: a base of billions needs no second copy.
     """
     step, crc = 1 << 22, 0
     if isinstance(value, np.ndarray):  # Flower's arrays (often read-only buffers): numpy alone
