@@ -52,5 +52,6 @@ _LAZY = {
 def __getattr__(name: str) -> Any:
     """Import the public classes on first use (PEP 562)."""
     if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+        value = globals()[name] = getattr(importlib.import_module(_LAZY[name], __name__), name)  # found next time
+        return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

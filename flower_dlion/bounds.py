@@ -25,7 +25,7 @@ integer uploads (signs, sums of K signs) are bounded by their levels.
 
 Under secure aggregation the server sees only sums, so the buffers are combined by their
 **mean** (:func:`buffer_moments`, :func:`mean_buffers`; a bound on each value, not a median:
-see docs/GUIDE.md, "Secure aggregation"), BatchNorm's variance pooled the same way with means:
+see docs/USER_GUIDE.md, "Secure aggregation"), BatchNorm's variance pooled the same way with means:
 ``μ = meanᵢ μᵢ``, ``σ² = meanᵢ σᵢ² + meanᵢ μᵢ² − μ²``.
 """
 

@@ -29,7 +29,7 @@ import torch
 __all__ = ["ADAPTER", "CAUSES", "EXPLAIN_ABOVE", "FIRST_LAYER", "INACTIVE", "WARN_ABOVE", "explain"]
 
 EXPLAIN_ABOVE = 0.01  # a client explains its flips above 1 % of its signs
-WARN_ABOVE = 0.30  # the server warns above 30 %: honest ReLU models reach 27.1 % in round 1 (docs/GUIDE.md)
+WARN_ABOVE = 0.30  # the server warns above 30 %: honest ReLU models reach 27.1 % in round 1 (docs/INTERNALS.md)
 ADAPTER, FIRST_LAYER, INACTIVE = 1, 2, 3
 CAUSES = {
     ADAPTER: (

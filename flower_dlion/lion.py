@@ -24,6 +24,7 @@ from typing import Literal, NamedTuple
 import torch
 
 __all__ = [
+    "MAX_DECAY",
     "Levels",
     "aggregate",
     "anchored",
@@ -38,6 +39,7 @@ __all__ = [
     "weighted_vote",
 ]
 
+MAX_DECAY = 0.5  # lr·wd·K at most: a round keeps at least half of x (the server's options, the clients' range checks)
 Aggregation = Literal["vote", "mean"]
 Perturb = Callable[[torch.Tensor], object]  # in place: v ← v + σ·ξ before a sign (flower_dlion.stochastic)
 

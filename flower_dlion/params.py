@@ -261,7 +261,7 @@ class ModelSpec:
                         f"tensor {e.name!r}: a frozen parameter (named by reference, never sent) whose values "
                         f"differ: checksum {crc:#010x} in the arrays, {e.checksum:#010x} in the model. Every node "
                         "must build the server's frozen weights (load them from one file, or seed them alike: "
-                        "torch.manual_seed before building them; docs/GUIDE.md#your-model)"
+                        "torch.manual_seed before building them; docs/USER_GUIDE.md#your-model)"
                     )
 
     def check_same(self, other: ModelSpec, *, theirs: str, ours: str) -> None:

@@ -57,6 +57,11 @@ Client → server::
                                    "ef-sign": also Array "scales", float32, one per tensor;
                                    a momentum-sync round: also Array "momentum", float32
     "dlion.metrics"  MetricRecord  num-examples, train-loss, version, checksum, [coin-flips]
+    "dlion.notice"   ConfigRecord  (``NOTICE``, optional) the node could not write its state since its last
+                                   reply (:class:`WriteFailure`): node, partition-id, path, errno, error,
+                                   round (whose state); an error reply says the same in its reason
+                                   (``WriteFailure.text``). A server before it refuses such a reply
+                                   (its records), as it refuses any record it does not know
 
 Train and query messages carry ``state-key``, the run's identity (1 to 64 of ``A-Z a-z 0-9 _ -``:
 the strategy's ``state_key``, else a random key of its own; kept across a resume): a client
@@ -90,10 +95,11 @@ import math
 import re
 import weakref
 from collections.abc import Container, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
-from flwr.app import Array, Message, MetricRecord, RecordDict
+from flwr.app import Array, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, no_object_id_recompute
 
@@ -116,6 +122,7 @@ __all__ = [
     "MASKED_STYPE",
     "METRICS",
     "MOMENTUM",
+    "NOTICE",
     "OPTIONAL_REPLY_METRICS",
     "OTHER_APP",
     "REST",
@@ -128,6 +135,7 @@ __all__ = [
     "USER_CONFIG",
     "ClientStateError",
     "RejectedReply",
+    "WriteFailure",
     "bits_array",
     "check_envelope",
     "checksum",
@@ -144,6 +152,7 @@ CONFIG = "dlion.config"
 BROADCAST = "dlion.update"  # server → client: Δ, the broadcast update (or the full model); wire name kept
 UPLOAD = "dlion.delta"  # client → server: δ, the client's packed signs; wire name kept
 METRICS = "dlion.metrics"
+NOTICE = "dlion.notice"  # client → server, optional in a reply: a state write that failed (WriteFailure)
 MOMENTUM = "dlion.momentum"
 HELLO = "hello"
 HELLO_ACTION = "dlion"  # the hello is a "query.dlion" message: a user's own query handler stays free
@@ -203,16 +212,90 @@ def error_text(msg: Message) -> str:
     return f"{who} (code {msg.error.code}): {msg.error.reason[:2000]}"
 
 
-def check_envelope(msg: Message, sent: Container[int], server_round: int, records: Sequence[str]) -> None:
-    """Reject error replies, replies from nodes not asked, for another round, or with other records."""
+def check_envelope(
+    msg: Message, sent: Container[int], server_round: int, records: Sequence[str], optional: Sequence[str] = ()
+) -> None:
+    """Reject error replies, replies from nodes not asked, for another round, or with other records.
+
+    ``records`` must all be there; of ``optional`` any may be, and nothing else.
+    """
     if msg.has_error():
         raise RejectedReply(error_text(msg))
     if msg.metadata.src_node_id not in sent:
         raise RejectedReply("no train message was sent to this node this round")
     if msg.metadata.group_id != str(server_round):
         raise RejectedReply(f"reply for round {msg.metadata.group_id!r}, the open round is {server_round}")
-    if set(msg.content.keys()) != set(records):
-        raise RejectedReply(f"records {sorted(msg.content.keys())}, expected {sorted(records)}")
+    keys = set(msg.content.keys())
+    if not set(records) <= keys or not keys <= set(records) | set(optional):
+        also = f" (and any of {sorted(optional)})" if optional else ""
+        raise RejectedReply(f"records {sorted(msg.content.keys())}, expected {sorted(records)}{also}")
+
+
+_WRITE_FAILED = re.compile(
+    r"node (-?\d+): could not write its state to (.+?): \[Errno (\d+)\] ([A-Za-z][\w /,.-]*[\w.])"
+)
+
+
+@dataclass(frozen=True)
+class WriteFailure:
+    """A node could not write its state (a full or read-only state folder): what it tells the server.
+
+    In a reply's :data:`NOTICE` record (:meth:`to_record`), or in an error reply's reason
+    (:meth:`text`, found again by :meth:`find`), in the node's first reply once it knows.
+
+    Attributes
+    ----------
+    node_id : int
+        The node.
+    partition : int
+        Its partition id (-1: none in its node config).
+    path : str
+        The file (or folder) it could not write.
+    errno : int
+        The OS error's number (28: ENOSPC, 30: EROFS, 13: EACCES, 122: EDQUOT; 0: none given).
+    error : str
+        The OS error's text, e.g. "No space left on device".
+    round : int
+        The round whose state it was (-1: not known, from an error reply's reason).
+
+    """
+
+    node_id: int
+    partition: int
+    path: str
+    errno: int
+    error: str
+    round: int = -1
+
+    def text(self) -> str:
+        """``node 1001: could not write its state to /x/slot-1.state: [Errno 28] No space left on device``."""
+        return f"node {self.node_id}: could not write its state to {self.path}: [Errno {self.errno}] {self.error}"
+
+    def to_record(self) -> ConfigRecord:
+        """The reply's :data:`NOTICE` record."""
+        values = {"partition-id": self.partition, "path": self.path, "errno": self.errno, "error": self.error}
+        return ConfigRecord({"state-write-failed": self.text(), **values, "round": self.round})
+
+    @classmethod
+    def from_record(cls, node_id: int, record: object) -> WriteFailure:
+        """The failure a reply's :data:`NOTICE` record reports, or RejectedReply saying what is wrong with it."""
+        if not isinstance(record, ConfigRecord):
+            raise RejectedReply(f"'{NOTICE}' must be a ConfigRecord, got a {type(record).__name__}")
+        want = {"state-write-failed": str, "partition-id": int, "path": str, "errno": int, "error": str, "round": int}
+        if set(record.keys()) != set(want) or any(
+            type(record[k]) is not kind or (kind is str and len(str(record[k])) > 4096) for k, kind in want.items()
+        ):
+            raise RejectedReply(f"'{NOTICE}' holds {_short(dict(record))}, expected {sorted(want)}")
+        return cls(node_id, *(record[k] for k in ("partition-id", "path", "errno", "error", "round")))  # type: ignore[arg-type]
+
+    @classmethod
+    def find(cls, reason: str) -> WriteFailure | None:
+        """The failure an error reply's reason says (:meth:`text`), None where it says none."""
+        found = _WRITE_FAILED.search(reason)
+        if found is None:
+            return None
+        node, path, number, error = found.groups()
+        return cls(int(node), -1, path, int(number), error)
 
 
 def read_metrics(

@@ -50,6 +50,7 @@ MAX_BATCHES = 1000  # default limit on one round's local work (local-steps × ac
 PROXIMAL_LIMIT = 1e6  # a server asking for a larger local proximal weight is refused
 SCALE_BLOCK_LIMIT = 1 << 31
 INT_LIMIT = 1 << 62  # versions, rounds and seeds: anything beyond is no count of rounds
+CRC_LIMIT = (1 << 32) - 1  # a CRC-32
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,10 @@ class RoundConfig:
         The server's latest checkpoint (0: none), >= 0.
     secure : bool
         A secure-aggregation run: the message must carry its ``dlion.secure`` record.
+    checksum : int | None
+        The CRC-32 of the server's x at ``version`` (``x-checksum``): the node's replica after
+        this message must have it, or nothing is stored and the node asks for a resync
+        (:mod:`.clients.replica`); None (absent): not checked.
 
     """
 
@@ -123,6 +128,7 @@ class RoundConfig:
     state_round: int | None = None
     keep_round: int = 0
     secure: bool = False
+    checksum: int | None = None
 
     @classmethod
     def parse(cls, record: Mapping[str, Any], node_id: int, *, max_batches: int = MAX_BATCHES) -> RoundConfig:
@@ -161,6 +167,7 @@ class RoundConfig:
             state_round=r.int("state-round", None, low=-1, optional=True),
             keep_round=r.int("keep-round", 0, low=0),
             secure=r.flag("secure"),
+            checksum=r.int("x-checksum", None, low=0, high=CRC_LIMIT, optional=True),
         )
         cfg._check_together(node_id, max_batches)
         return cfg
@@ -213,11 +220,12 @@ class RoundConfig:
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name in ALWAYS or value != f.default:
-                out[f.name.replace("_", "-")] = int(value) if isinstance(value, bool) else value
+                out[KEYS.get(f.name, f.name.replace("_", "-"))] = int(value) if isinstance(value, bool) else value
         return ConfigRecord(out)
 
 
 ALWAYS = frozenset({"server_round", "version", "seed", "beta1", "beta2"})  # sent even where default
+KEYS = {"checksum": "x-checksum"}  # wire keys that are not the field's name with '-' for '_'
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,10 @@ RESUMABLE_KEYS = (
     "round-timeout",
     "poll-interval",
     "max-failed-rounds",  # when to give up, not what is trained
+    "wait-for-nodes",
+    "divergence-factor",  # what is watched, not what is trained
+    "divergence-rounds",
+    "stop-on-divergence",
     "state-in-context",  # where the clients keep their state, not what it is: a resumed run reads the files anyway
 )
 

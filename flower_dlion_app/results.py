@@ -17,6 +17,7 @@ from flwr.app import MessageType
 from flwr.serverapp.strategy import Strategy
 
 from flower_dlion import DistributedLion
+from flower_dlion.strategies.run_loop import short_rounds
 from flower_dlion_app.metering import MeteredGrid
 
 __all__ = ["Recorder"]
@@ -25,7 +26,7 @@ __all__ = ["Recorder"]
 DLION_ROW_KEYS = (
     *("num-rejected", "num-failed", "full-syncs", "catch-ups", "checksum-mismatches", "state-resets"),
     *("applied", "bytes-up-fp32", "bytes-down-fp32", "tie-fraction", "agreement", "coin-flip-fraction"),
-)  # D-Lion's round metrics that results.jsonl keeps (docs/GUIDE.md, "The round's metrics")
+)  # D-Lion's round metrics that results.jsonl keeps (docs/USER_GUIDE.md, "The round's metrics")
 
 
 def strategy_row(strategy: Strategy) -> dict[str, Any]:
@@ -107,17 +108,14 @@ class Recorder:
         }
         if server_round > 0:
             this_round, self._seen = self.metered.exchanges[self._seen :], len(self.metered.exchanges)
-            ex = next(e for e in reversed(this_round) if e.message_type == MessageType.TRAIN)
-            row.update(
-                {
-                    "train_loss": ex.train_loss,
-                    "bytes_up": sum(e.bytes_up for e in this_round),  # train and hello messages
-                    "bytes_down": sum(e.bytes_down for e in this_round),
-                    "num_sent": ex.num_sent,
-                    "num_replies": ex.num_replies,
-                    "num_errors": ex.num_errors,
-                }
-            )
+            row["bytes_up"] = sum(e.bytes_up for e in this_round)  # train and hello messages
+            row["bytes_down"] = sum(e.bytes_down for e in this_round)
+            ex = next((e for e in reversed(this_round) if e.message_type == MessageType.TRAIN), None)
+            if ex is not None:  # none: the round sent no train message (e.g. too few nodes could mask)
+                row.update(
+                    {"train_loss": ex.train_loss, "num_sent": ex.num_sent, "num_replies": ex.num_replies,
+                     "num_errors": ex.num_errors}
+                )  # fmt: skip
             row.update(strategy_row(strategy))
         row["wall_time_s"] = round(self.wall(), 3)
         row = {k: _json_number(v) for k, v in row.items()}
@@ -142,8 +140,10 @@ class Recorder:
     ) -> dict[str, Any]:
         """The run's totals: accuracy, time, MB up and down, bytes per reply, the strategy's own ratios.
 
-        ``status`` is "completed", or "stopped" for a run that could not learn (``reason``: the
-        strategy's ``RunStopped`` message, ``stopped_in_round``: its round; both only then).
+        ``status`` is "completed", "stopped" for a run that could not learn (``reason``: the
+        strategy's ``RunStopped`` message, ``stopped_in_round``: its round; both only then), or
+        "failed" for a run ended by another error (``reason``: its type and message, ``stopped_in_round``:
+        the round in progress).
         """
         exchanges = self.metered.exchanges
         train = [e for e in exchanges if e.message_type == MessageType.TRAIN]
@@ -168,4 +168,6 @@ class Recorder:
             "resumed_from_round": resumed_from_round,
             "config": config,
         }
+        short, why = short_rounds(getattr(strategy, "history", []))  # rounds with fewer valid replies than sent
+        summary |= {"short_rounds": short, "short_reasons": why}
         return summary | fp32_ratios(strategy, up, down)

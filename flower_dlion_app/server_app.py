@@ -67,6 +67,7 @@ def build_strategy(cfg: dict[str, Any], state_key: str = "") -> Strategy:
         "min_available_nodes": cfg["min-available-nodes"],
         "min_replies": cfg["min-replies"],
         "sample_seed": cfg["seed"],
+        "wait_for_nodes": cfg["wait-for-nodes"],
     }
     name = cfg["strategy"]
     if name in ("dlion-vote", "dlion-mean", "signsgd-vote"):
@@ -99,6 +100,9 @@ def build_strategy(cfg: dict[str, Any], state_key: str = "") -> Strategy:
             secure=cfg["secure"],
             secure_degree=cfg["secure-degree"],
             max_failed_rounds=cfg["max-failed-rounds"],
+            divergence_factor=cfg["divergence-factor"],
+            divergence_rounds=cfg["divergence-rounds"],
+            stop_on_divergence=cfg["stop-on-divergence"],
             **common,
         )
     if name in ("global-lion", "global-adamw", "terngrad"):
@@ -320,8 +324,9 @@ def run_federation(grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, s
     :class:`~flower_dlion.strategies.run_stops.RunStopped` (no node answered the hello usefully, or
     ``max-failed-rounds`` rounds in a row without enough valid replies), ``summary.json`` is written
     with ``"status": "stopped"`` and the ``"reason"``, the reason is logged at ERROR, and the
-    exception goes on (the ServerApp fails; no ``final_model.pt``). A finished run's summary has
-    ``"status": "completed"``.
+    exception goes on (the ServerApp fails; no ``final_model.pt``). Any other error during the rounds
+    does the same with ``"status": "failed"`` (its type and message as the reason). A finished run's
+    summary has ``"status": "completed"``.
     """
     run = Federation(grid, read_config(run_config), run_id)
     try:
@@ -338,6 +343,12 @@ def run_federation(grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, s
         run.write_summary(status="stopped", reason=str(err), stopped_in_round=err.server_round)
         log(ERROR, "[flower-dlion] %s: stopped in round %d: %s", run.cfg["strategy"], err.server_round, err)
         log(ERROR, "[flower-dlion] wrote %s (status 'stopped') and %s", run.out_dir / "summary.json", run.recorder.path)
+        raise
+    except Exception as err:  # any other end: the summary says so too, and the error goes on
+        rnd = run.round_in_progress()
+        run.write_summary(status="failed", reason=f"{type(err).__name__}: {err}", stopped_in_round=rnd)
+        log(ERROR, "[flower-dlion] %s: failed in round %d: %s: %s", run.cfg["strategy"], rnd, type(err).__name__, err)
+        log(ERROR, "[flower-dlion] wrote %s (status 'failed') and %s", run.out_dir / "summary.json", run.recorder.path)
         raise
     run.finish(result, save_model=save_model)
     return result
@@ -452,6 +463,10 @@ class Federation:
         if isinstance(self.strategy, DistributedLion):
             self.strategy.checkpoint_round = server_round  # clients may now drop older state files
         log(INFO, "[flower-dlion] round %d: checkpoint written to %s", server_round, path)
+
+    def round_in_progress(self) -> int:
+        """The round after the last one recorded (``results.jsonl``), or the first to run."""
+        return int(self.recorder.rows[-1]["round"]) + 1 if self.recorder.rows else self.start_round
 
     @property
     def num_parameters(self) -> int:

@@ -314,8 +314,9 @@ def test_options_are_checked_with_precise_errors() -> None:
         DistributedLion(upload="fp16")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="needs broadcast_bits >= 1"):
         DistributedLion(aggregation="mean", upload="ef-sign")
-    with pytest.raises(ValueError, match="lr \\* weight_decay \\* local_steps must be < 1"):
-        DistributedLion(lr=0.1, weight_decay=1.0, local_steps=10)
+    with pytest.raises(ValueError, match=r"lr \* weight_decay \* local_steps must be <= 0.5 \(got 0.6"):
+        DistributedLion(lr=0.1, weight_decay=1.0, local_steps=6)
+    DistributedLion(lr=0.1, weight_decay=1.0, local_steps=5)  # 0.5: the bound itself is allowed
     with pytest.raises(ValueError, match="needs 'broadcast-bits' >= 1"):
         read_config({"strategy": "dlion-mean", "upload": "ef-sign"})
     with pytest.raises(ValueError, match=r"apply to .* only, not to 'fedavg'"):

@@ -151,6 +151,16 @@ def _trits_broken(msg: Message) -> None:
     arr.data = arr.data[:30] + bytes([255]) + arr.data[31:]  # 5 trits a byte hold 0…242
 
 
+def _old_server(tamper: Callable[[Message], None]) -> Callable[[Message], None]:
+    """``tamper``, from a server that sends no ``payload-crc`` (the decoders' own range checks)."""
+
+    def tampered(msg: Message) -> None:
+        tamper(msg)
+        msg.content[CONFIG].pop("payload-crc")
+
+    return tampered
+
+
 def _momentum(value: float) -> Callable[[Message], None]:
     def tamper(msg: Message) -> None:
         m = msg.content[MOMENTUM]["m"].numpy().copy()
@@ -173,15 +183,20 @@ def _momentum(value: float) -> Callable[[Message], None]:
         (_config("accumulate", -3), CHAIN, "the server sent accumulate = -3 (an int in [1, "),
         (_config("local-steps", 10**9), CHAIN, "= 1000000000 batches, more than this client's limit of 1000"),
         (_config("state-key", "../x"), CHAIN, "the server sent state-key = '../x' (a folder name of 1 to 64"),
-        (_levels, CHAIN, "Δ 1 of 1 does not decode"),
+        (_old_server(_levels), CHAIN, "Δ 1 of 1 does not decode"),
+        (_levels, CHAIN, "node 1000, round 3: Δ 1 of 1 fails its checksum (CRC-32 "),
         (lambda m: m.content[CONFIG].__setitem__("lr", [-0.01]), CHAIN, "a Δ with lr -0.01 and weight decay"),
         (lambda m: m.content[CONFIG].__setitem__("lr", [math.inf]), CHAIN, "a Δ with lr inf and weight decay"),
+        (lambda m: m.content[CONFIG].__setitem__("lr", [6.0]), CHAIN, "a Δ with lr 6.0 and weight decay 0.1 (finite,"),
         (lambda m: m.content[CONFIG].__setitem__("num-levels", [1]), CHAIN, "a Δ with 1 levels (2 to 65536"),
         (_segment("segment-decay", math.nan), {}, "a segment with decay nan and step 0.01"),
         (_segment("segment-decay", 1.5), {}, "a segment with decay 1.5 and step 0.01"),
-        (_segment("segment-step", -1.0), {}, "step -1.0 (0 < decay <= 1, step >= 0): refused"),
+        (_segment("segment-step", -1.0), {}, "step -1.0, 2 round(s) past its anchor (0.5**2 <= decay <= 1, step >= 0)"),
+        (_segment("segment-decay", 1e-30), {}, "node 1000, round 3: a segment with decay 1e-30 and step 0.01, 2 round"),
+        (_segment("segment-decay", 0.24), {}, "a segment with decay 0.24 and step 0.01, 2 round(s) past its anchor"),
         (_segment("segment-end", 5), {}, "node 1000, round 3: a packed Δ to version 5 from version 1"),
-        (_trits_broken, {}, "node 1000, round 3: trit5 byte above 242 (3^5 - 1): corrupted payload: refused"),
+        (_old_server(_trits_broken), {}, "node 1000, round 3: trit5 byte above 242 (3^5 - 1): corrupted payload"),
+        (_trits_broken, {}, "node 1000, round 3: count segment 1 of 1 fails its checksum (CRC-32 "),
         (_momentum(math.nan), {"momentum_sync_every": 2}, "the synced momentum has values outside ±1e+06"),
         (_momentum(1e30), {"momentum_sync_every": 2}, "the synced momentum has values outside ±1e+06"),
     ],

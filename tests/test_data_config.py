@@ -126,7 +126,7 @@ def test_pyproject_config_equals_defaults() -> None:
 
 
 def test_the_generated_copies_of_the_run_config_are_up_to_date() -> None:
-    # Execute: pyproject.toml's table and the guide's tables as config.GROUPS makes them
+    # Execute: pyproject.toml's table and docs/APP.md's tables as config.GROUPS makes them
     files = generate.generated_files(ROOT)
     # Assert: the files hold exactly that (else: python -m flower_dlion_app.config --write)
     assert all(path.read_text() == text for path, text in files.items()), "python -m flower_dlion_app.config --write"

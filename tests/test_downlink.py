@@ -297,7 +297,8 @@ def test_a_corrupted_delta_is_refused_naming_node_and_round_and_the_state_kept()
     strategy.aggregate_train(3, replies)
     # Assert: an error reply naming the node, the round and the problem; the state untouched; the round went on
     bad = next(r for r in replies if r.metadata.src_node_id == 1000)
-    assert bad.has_error() and "node 1000, round 3: trit5 byte above 242" in bad.error.reason, bad.error.reason
+    said = "node 1000, round 3: count segment 1 of 1 fails its checksum (CRC-32 "  # before it is decoded
+    assert bad.has_error() and said in bad.error.reason, bad.error.reason
     assert context_to_proto(grid.context(1000)).SerializeToString() == before
     assert strategy.history[-1]["num-replies"] == 1 and strategy.history[-1]["applied"] == 1
     # next round the node rebuilds x₀ from the seed and gets the counts since (no float), and is exact again

@@ -82,9 +82,12 @@ def test_partial_participation_by_partition_keeps_every_replica_exact_for_50_rou
     assert all(h["num-replies"] == 3 for h in strategy.history)
 
 
-def test_checksum_mismatch_triggers_a_logged_full_resync(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_replica_gone_wrong_is_refused_by_its_node_and_resynced_by_a_logged_full_model(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     # Prepare: node 1001's replica is silently corrupted after round 2, with checksums that fit it (so the
-    # client's own check on loading passes: the server's on its reply is the one that finds it)
+    # client's own check on loading passes: the server's x-checksum in the round-3 message is the one that finds it;
+    # tests/test_integrity.py has the server's check on the reply, for a client that does not check)
     grid = LocalGrid(client_app, 3, run_config=RUN_CONFIG)
     strategy = DistributedLion(lr=LR, weight_decay=WD)
     run_rounds(strategy, grid, 2)
@@ -99,9 +102,10 @@ def test_checksum_mismatch_triggers_a_logged_full_resync(caplog: pytest.LogCaptu
     caplog.set_level(logging.WARNING, logger="flwr")
     # Execute
     run_rounds(strategy, grid, 3, start=3)
-    # Assert: rejected, counted, full model next round, then equal to the server's x again
-    assert "rejected reply from node 1001 (partition 1): replica checksum" in caplog.text
-    assert [h["checksum-mismatches"] for h in strategy.history] == [0, 0, 1, 0, 0]
+    # Assert: refused by the node (not kept, not trained on), full model next round, then equal to the server's x
+    assert "rejected reply from node 1001 (partition 1): client error" in caplog.text
+    assert "node 1001, round 3: its replica at version 2 has checksum " in caplog.text
+    assert [h["checksum-mismatches"] for h in strategy.history] == [0, 0, 0, 0, 0]
     assert [h["full-syncs"] for h in strategy.history] == [3, 0, 0, 1, 0]
     assert [h["num-replies"] for h in strategy.history] == [3, 3, 2, 3, 3]
     for node, x in sync_replicas(strategy, grid, 6).items():

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from flower_dlion import DistributedLion, lion
+from flower_dlion.strategies.divergence import DivergenceOptions
 from flower_dlion.strategies.options import (
     DownlinkOptions,
     LocalOptions,
@@ -19,7 +20,7 @@ from flower_dlion.strategies.options import (
 )
 
 GROUPS = {"step": StepOptions, "local": LocalOptions, "uplink": UplinkOptions, "downlink": DownlinkOptions,
-          "sync": SyncOptions, "secure": SecureOptions}  # fmt: skip
+          "sync": SyncOptions, "secure": SecureOptions, "divergence": DivergenceOptions}  # fmt: skip
 
 
 def options_of(**kwargs: Any) -> Options:
@@ -67,6 +68,9 @@ ALONE = [
     (SyncOptions, {"momentum_sync_every": -1}, "momentum_sync_every must be >= 0 (0: never), got -1"),
     (SyncOptions, {"buffer_sync_every": -3}, "buffer_sync_every must be >= 0 (0: never), got -3"),
     (SecureOptions, {"secure_degree": -1}, "secure_degree must be >= 0 (0: every other participant), got -1"),
+    (DivergenceOptions, {"divergence_factor": 0.5}, "divergence_factor must be a number > 1 (math.inf: watch for"),
+    (DivergenceOptions, {"divergence_rounds": 0}, "divergence_rounds must be an integer >= 1, got 0"),
+    (DivergenceOptions, {"stop_on_divergence": "yes"}, "stop_on_divergence must be True or False, got 'yes'"),
 ]
 
 # checks that take two groups: Options makes them
@@ -76,7 +80,7 @@ TOGETHER = [
         "local_optimizer='sgd' uploads",
     ),
     ({"local_optimizer": "sgd", "local_lr": 0.1, "accumulate": 2}, "local_optimizer='sgd' uploads"),
-    ({"lr": 0.1, "weight_decay": 1.0, "local_steps": 10}, "lr * weight_decay * local_steps must be < 1"),
+    ({"lr": 0.1, "weight_decay": 1.0, "local_steps": 10}, "lr * weight_decay * local_steps must be <= 0.5 (got 1.0)"),
     ({"lr_schedule": lion.cosine_decay(5), "downlink": "anchored"}, "downlink='anchored' needs a constant learning"),
     ({"aggregation": "mean", "downlink": "anchored"}, "downlink='anchored' needs integer Δs"),
     ({"anchor_every": 0}, "anchor_every must be >= 1 with anchor_every * local_steps <= 2**20"),
@@ -108,6 +112,7 @@ GOOD = [
     {"lr_schedule": lion.cosine_decay(10), "broadcast_bits": 2, "server_momentum": 0.9, "init_seed": 7},
     {"momentum_sync_every": 3, "momentum_sync_layers": ["conv"], "buffer_sync_every": 0, "anchor_every": 5},
     {"secure": True, "secure_degree": 4, "min_train_nodes": 3},
+    {"divergence_factor": 3.0, "divergence_rounds": 2, "stop_on_divergence": True},
 ]
 
 

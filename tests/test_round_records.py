@@ -61,13 +61,13 @@ def test_what_the_server_writes_the_client_reads_back(cfg: RoundConfig) -> None:
     assert sent == ALWAYS | {f for f, v in defaults.items() if f not in ALWAYS and getattr(cfg, f) != v}
 
 
-def test_the_default_strategy_sends_the_five_keys_and_the_run_key() -> None:
+def test_the_default_strategy_sends_the_five_keys_the_run_key_and_xs_checksum() -> None:
     # Prepare
     from flower_dlion.strategies.server_state import Round
 
     s = DistributedLion(lr=1e-3, sample_seed=7)
     # Execute
-    record = s.down.round_config(4, Round(server_round=4, base_version=0, base_checksum=0, lr=1e-3))
+    record = s.down.round_config(4, Round(server_round=4, base_version=0, base_checksum=123, lr=1e-3))
     # Assert
     assert dict(record) == {
         "server-round": 4,
@@ -76,6 +76,7 @@ def test_the_default_strategy_sends_the_five_keys_and_the_run_key() -> None:
         "beta1": 0.9,
         "beta2": 0.99,
         "state-key": s.run_key,
+        "x-checksum": 123,
     }
 
 

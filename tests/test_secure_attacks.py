@@ -1,4 +1,4 @@
-"""Secure aggregation, attacked: the honest-but-curious server of docs/GUIDE.md's threat model learns no client's signs.
+"""Secure aggregation, attacked: the honest-but-curious server of USER_GUIDE.md's threat model learns no client's signs.
 
 The adversary (:class:`Adversary`) runs ``DistributedLion(secure=True)`` as written and keeps
 everything it receives: every masked upload, also those it rejected and those that came after

@@ -262,12 +262,15 @@ def test_malformed_reply_is_rejected_and_round_goes_on(case: str, caplog: pytest
     assert len(lines) == 1 and "node 4" in lines[0] and reason in lines[0], lines
     assert metrics["num-replies"] == 3 and metrics["num-rejected"] == 1
     np.testing.assert_allclose(strategy.x.numpy(), expected_x([1, -1, -1, 1, 1, -1, 1, 1, -1, 1], 0.1, 0.5), rtol=1e-6)
-    # the rejected node gets the full model next round, the others only Δ
+    # the rejected node gets the full model next round, the others only Δ; a node of another layout is left out
     kinds = {
         m.metadata.dst_node_id: m.content[CONFIG]["kind"]
         for m in strategy.configure_train(2, ArrayRecord(), ConfigRecord(), StubGrid([1, 2, 3, 4]))
     }
-    assert kinds == {1: "counts", 2: "counts", 3: "counts", 4: "full"}
+    if case == "wrong shape":  # left out until it says hello again (tests/test_node_gates.py)
+        assert kinds == {1: "counts", 2: "counts", 3: "counts"}
+    else:
+        assert kinds == {1: "counts", 2: "counts", 3: "counts", 4: "full"}
 
 
 def test_only_malformed_replies_leave_x_unchanged(caplog: pytest.LogCaptureFixture) -> None:

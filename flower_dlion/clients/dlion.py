@@ -30,7 +30,8 @@ One ``train`` message, in order (:meth:`DLionClient.train`):
    the momentum or the buffers in the rounds that sync them);
 5. keep the node's state for the next round: on the device (:class:`resident.Residents`, where the
    process lives on) and persisted on the host (:class:`state.StateStore`: ``context.state`` or a
-   file; the resident state is used only while the persisted copy is still the one it wrote).
+   file; the resident state is used only while the persisted copy is still the one it wrote); a
+   file that could not be written is said in the node's next reply (:mod:`.state_writes`).
 
 Where each part runs: the host side (the persisted state, the message's payloads, the entropy
 coder, checksums) works on numpy arrays, the device side (the replica, the momentum, the Lion
@@ -80,6 +81,7 @@ from .settings import MAX_BATCHES, ClientSettings, DeviceMemoryError, positive, 
 from .state import ClientStateError, Expected
 from .state_home import check_fits, node_store
 from .state_store import StateStore, wait_for_writes
+from .state_writes import said, tell
 
 __all__ = ["ClientSettings", "ClientStateError", "DLionClient", "DeviceMemoryError", "Tamper", "resolve_device"]
 
@@ -273,6 +275,7 @@ class DLionClient:
             host.owner, host.layout = owner, layout_fingerprint(spec.layout)
             node.stamp, node.pending = store.save(host, background=lived)
             here.residents.put(owner, node)
+            reply = tell(reply, owner, context.node_id, cfg.server_round - (node.pending is not None))  # failed writes
         except torch.cuda.OutOfMemoryError as err:
             here.residents.drop(owner)
             raise DeviceMemoryError(f"node {context.node_id}: {self._out_of_memory(spec.d, here)}") from err
@@ -289,9 +292,10 @@ class DLionClient:
         """The node at the server's version (:func:`apply_message`); what cannot be applied is refused by name."""
         try:
             return apply_message(msg.content, node, env)
-        except ClientStateError as err:
-            if node is None:  # say where its state was looked for (a deleted file, a lost context)
-                raise ClientStateError(f"{err} (its state: {store.where()})") from err
+        except ClientStateError as err:  # where its state was looked for (a deleted file), a write that failed
+            where, failure = f" (its state: {store.where()})" if node is None else "", said(store.owner, env.node_id)
+            if where or failure:
+                raise ClientStateError(f"{err}{where}{failure}") from err
             raise
         except (KeyError, TypeError, ValueError) as err:  # a record or key missing, a value of another type
             raise ClientStateError(

@@ -28,7 +28,6 @@ state is left as it was and the server sends the full model next time.
 
 from __future__ import annotations
 
-import math
 import time
 import zlib
 from collections.abc import Callable
@@ -42,6 +41,7 @@ from .. import codec, downlink, entropy, quantizers
 from ..params import ModelSpec, layout_fingerprint, state_checksum
 from ..protocol import BROADCAST, CODED_STYPE, CONFIG, LEVELS_STYPE, REST, SEED_MISMATCH
 from ..round_records import RoundConfig
+from .integrity import check_part, check_segment, check_steps, verified
 from .link import ContextChoice
 from .placement import Placement
 from .resident import NodeState, Replica, ReplicaPool
@@ -77,7 +77,16 @@ class Apply:
 
 
 def apply_message(content: RecordDict, node: NodeState | None, env: Apply) -> NodeState:
-    """The node at the version the server sent: ``node``'s own state with a new replica, or a new node."""
+    """The node at the version the server sent: ``node``'s own state with a new replica, or a new node.
+
+    Each part of the payload is checked against its CRC-32 before it is decoded, and the new
+    replica against the server's checksum of x before it is returned (:mod:`.integrity`).
+    """
+    after = _apply(content, node, env)
+    return verified(after, env.round.checksum, env.round.server_round, env.node_id, env.pool)
+
+
+def _apply(content: RecordDict, node: NodeState | None, env: Apply) -> NodeState:
     round_config = content[CONFIG]
     kind, version = round_config["kind"], env.round.version
     if kind == "full" or (node is None and "init-seed" in round_config):
@@ -85,8 +94,7 @@ def apply_message(content: RecordDict, node: NodeState | None, env: Apply) -> No
     if kind == "counts" or (kind == "full" and "anchor-version" in round_config):
         return _apply_anchored(content, node, env)
     if kind == "full":
-        x = _full_x(content, env.d, env.node_id)
-        checksum = crc32(x)
+        x, checksum = _full_x(content, env)
         replica = env.pool.find((version, checksum, 0, 0))
         if replica is None:
             replica = env.pool.add(Replica(version, env.placement.to_device(x), checksum, host={"x": x}))
@@ -94,9 +102,12 @@ def apply_message(content: RecordDict, node: NodeState | None, env: Apply) -> No
         if node is None:
             return NodeState(replica, env.zeros(), rest=rest)
         return NodeState(replica, node.m, node.error, rest)  # a resync keeps its momentum
-    if node is None and "init-seed" in round_config:
+    if "init-seed" in round_config:  # a new node, or one whose replica the server no longer trusts (x₀, then Δs)
         base, rest = _seeded(round_config, env, anchored=False)
-        node = NodeState(base, env.zeros(), rest=rest)
+        if node is None:
+            node = NodeState(base, env.zeros(), rest=rest)
+        else:  # a resync keeps the node's momentum and buffers
+            node = NodeState(base, node.m, node.error, node.rest)
     if node is None:
         raise ClientStateError(
             f"node {env.node_id} has no replica (new node, or its state was lost) but received kind={kind!r}; "
@@ -126,7 +137,7 @@ def _apply_anchored(content: RecordDict, node: NodeState | None, env: Apply) -> 
     kind, version, node_id = round_config["kind"], env.round.version, env.node_id
     m, error, rest = (env.zeros(), None, {}) if node is None else (node.m, node.error, node.rest)
     if kind == "full":  # the anchor, then the counts since it
-        anchor = _full_x(content, env.d, node_id)
+        anchor, _ = _full_x(content, env)
         rest = _received_rest(content, env)
         base = _anchor_replica(anchor, int(round_config["anchor-version"]), env)
     elif "init-seed" in round_config:  # a new node, or one whose replica the server no longer trusts
@@ -153,7 +164,7 @@ def _apply_anchored(content: RecordDict, node: NodeState | None, env: Apply) -> 
             )
     previous, undo, replica = -1, b"", base
     if "segment-end" in round_config:
-        segments = _segments(content, round_config, node_id)
+        segments = _segments(content, round_config, env, first=int(kind == "full"), anchor=base.anchor_version)
         limit = int(round_config["anchor-every"]) * env.round.local_steps
         try:
             replica, undo = _advance(base, segments, limit, env)
@@ -303,7 +314,7 @@ def _apply_deltas(content: RecordDict, base: Replica, env: Apply, *, skip: int) 
         raise ClientStateError(f"node {node_id}: update stype {arr.stype!r}, expected {LEVELS_STYPE!r}")
     data = arr.data
     scales = list(round_config.get("scales", []))
-    steps = _check_steps(round_config, node_id)
+    steps = check_steps(round_config, node_id)
     if scales and len(scales) != len(steps) * len(sizes):
         raise ClientStateError(f"node {node_id}: {len(scales)} scales for {len(steps)} Δs of {len(sizes)} scales each")
     if not all(isinstance(s, float | int) and 0.0 <= s <= SCALE_LIMIT for s in scales):  # also refuses nan
@@ -313,9 +324,11 @@ def _apply_deltas(content: RecordDict, base: Replica, env: Apply, *, skip: int) 
     if version - int(round_config["base-version"]) != len(steps):
         base_version = round_config["base-version"]
         raise ClientStateError(f"node {node_id}: {len(steps)} Δs from version {base_version} to {version}")
-    sizes_total = sum(codec.encoded_size(d, n) for n, _, _ in steps)
-    if sizes_total != len(data):
-        raise ClientStateError(f"node {node_id}: update has {len(data)} bytes, its Δs use {sizes_total}")
+    ends = np.cumsum([0] + [codec.encoded_size(d, n) for n, _, _ in steps]).tolist()
+    if ends[-1] != len(data):
+        raise ClientStateError(f"node {node_id}: update has {len(data)} bytes, its Δs use {ends[-1]}")
+    for i in range(len(steps)):  # each Δ's bytes, before any is decoded
+        check_part(round_config, i, data[ends[i] : ends[i + 1]], f"Δ {i + 1} of {len(steps)}", env)
     key = ("deltas", base.ident, skip, tuple(steps), tuple(scales), tuple(sizes), len(data), zlib.crc32(data))
     made = env.pool.made(key)
     if made is not None:
@@ -365,8 +378,9 @@ def _seeded(round_config: dict, env: Apply, *, anchored: bool) -> tuple[Replica,
 
 
 # --------------------------------------------------------------------------- reading the message
-def _full_x(content: RecordDict, d: int, node_id: int) -> np.ndarray:
-    """The float32 model (or anchor) of a full message, checked (a host array)."""
+def _full_x(content: RecordDict, env: Apply) -> tuple[np.ndarray, int]:
+    """The float32 model (or anchor) of a full message, checked (a host array), and its CRC-32."""
+    d, node_id = env.d, env.node_id
     payload = content[BROADCAST]["payload"].numpy()
     if payload.shape != (d,) or payload.dtype != np.float32:
         raise ClientStateError(
@@ -374,11 +388,15 @@ def _full_x(content: RecordDict, d: int, node_id: int) -> np.ndarray:
         )
     if not np.isfinite(payload).all():
         raise ClientStateError(f"node {node_id}: the full model has non-finite values: refused")
-    return payload
+    return payload, check_part(content[CONFIG], 0, payload, "the full model", env)
 
 
-def _segments(content: RecordDict, round_config: dict, node_id: int) -> list[downlink.Segment]:
-    """The count segments of an anchored message, with their decay, step and levels checked."""
+def _segments(content: RecordDict, round_config: dict, env: Apply, first: int, anchor: int) -> list[downlink.Segment]:
+    """The count segments of an anchored message from a replica anchored at version ``anchor``, checked.
+
+    Their CRC-32s (parts ``first``, …), decay, step and levels.
+    """
+    node_id = env.node_id
     if BROADCAST not in content or "counts" not in content[BROADCAST]:
         raise ClientStateError(f"node {node_id}: an anchored message without its counts")
     arr = content[BROADCAST]["counts"]
@@ -393,13 +411,13 @@ def _segments(content: RecordDict, round_config: dict, node_id: int) -> list[dow
     if sum(int(r[-1]) for r in rows) != len(data) or not rows:
         raise ClientStateError(f"node {node_id}: counts payload has {len(data)} bytes, its segments say otherwise")
     out, offset = [], 0
-    for (end, decay, step, refresh, context, nbytes), num_levels in zip(rows, levels, strict=True):
-        if not (math.isfinite(decay) and math.isfinite(step) and 0.0 < decay <= 1.0 and step >= 0.0):
-            raise ClientStateError(
-                f"node {node_id}: a segment with decay {decay!r} and step {step!r} (0 < decay <= 1, step >= 0): refused"
-            )
+    for i, ((end, decay, step, refresh, context, nbytes), num_levels) in enumerate(zip(rows, levels, strict=True)):
+        check_segment(decay, step, int(end) - anchor, env)
+        anchor = int(end) if refresh else anchor
+        payload = bytes(data[offset : offset + nbytes])
+        check_part(round_config, first + i, payload, f"count segment {i + 1} of {len(rows)}", env)
         out.append(downlink.Segment(int(end), float(decay), float(step), bool(refresh), bool(context),
-                                    bytes(data[offset : offset + nbytes]), int(num_levels)))  # fmt: skip
+                                    payload, int(num_levels)))  # fmt: skip
         offset += nbytes
     return out
 
@@ -429,16 +447,3 @@ def _received_rest(content: RecordDict, env: Apply) -> dict[str, torch.Tensor]:
             raise ClientStateError(f"node {node_id}: {e.name!r} has non-finite values")
         rest[e.name] = env.placement.to_device(a)
     return rest
-
-
-def _check_steps(round_config: dict, node_id: int) -> list[tuple[int, float, float]]:
-    """(levels, lr, weight decay) of each received Δ, each in range, or ClientStateError."""
-    steps = list(zip(round_config["num-levels"], round_config["lr"], round_config["weight-decay"], strict=True))
-    for num_levels, lr, wd in steps:
-        if not (isinstance(num_levels, int) and 2 <= num_levels <= 1 << 16):
-            raise ClientStateError(f"node {node_id}: a Δ with {num_levels!r} levels (2 to 65536 allowed): refused")
-        if not (math.isfinite(lr) and math.isfinite(wd) and lr >= 0 and wd >= 0 and lr * wd < 1):
-            raise ClientStateError(
-                f"node {node_id}: a Δ with lr {lr!r} and weight decay {wd!r} (finite, >= 0, lr·wd < 1 allowed): refused"
-            )
-    return steps

@@ -160,6 +160,13 @@ class ReplicaPool:
         self._trim()
         return kept
 
+    def discard(self, replica: Replica) -> None:
+        """Forget ``replica`` and what made it (a replica found wrong): no node finds it again."""
+        ident = replica.ident
+        if self._replicas.get(ident) is replica and ident not in self._holders:
+            del self._replicas[ident]
+        self._made_by = {k: v for k, v in self._made_by.items() if v[0] != ident}
+
     def hold(self, replica: Replica) -> None:
         """A node holds ``replica`` (it stays until released)."""
         self._holders[replica.ident] = self._holders.get(replica.ident, 0) + 1

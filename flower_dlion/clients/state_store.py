@@ -8,7 +8,8 @@ file a restarted SuperNode starts from, and the one a resumed ServerApp asks for
 (``keep-round``) are kept. A file is written to a temporary name and renamed, so a reader
 sees the old file or the new one; a client whose process lives on writes it on a background
 thread after the reply has gone (``save(background=True)``) and leaves a ``.pending`` marker
-that readers in other processes wait for.
+that readers in other processes wait for. A write that fails (a full or read-only folder: ``ENOSPC``,
+``EROFS``) leaves the older copy, is logged and kept, and the node's next reply says so (:mod:`.state_writes`).
 
 Host side only, numpy arrays and numbers, as :mod:`.state`. Files have a format of their own
 (:func:`write_state_file`: magic, a JSON header, the arrays, CRC-32), are read only when they
@@ -21,7 +22,6 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
-import re
 import secrets
 import socket
 import time
@@ -46,6 +46,7 @@ from .state import (
     require_host,
     write_state_file,
 )
+from .state_writes import alive, failed, writer_pid
 
 __all__ = ["StateStore", "load_state", "save_state", "wait_for_writes"]
 
@@ -258,8 +259,8 @@ class StateStore:
         assert self.folder is not None
         for folder in (self.folder, self.folder.parent / "anchors"):
             for path in folder.glob(".*"):
-                pid = _writer_pid(path.name)
-                if pid is not None and pid != os.getpid() and not _alive(pid):
+                pid = writer_pid(path.name)
+                if pid is not None and pid != os.getpid() and not alive(pid):
                     path.unlink(missing_ok=True)
 
     def _newest_file(self) -> tuple[int, Path] | None:
@@ -289,11 +290,7 @@ class StateStore:
             round_text, _, pid_text = marker.name[2:].partition(".pending.")
             if not (round_text.isdigit() and pid_text.isdigit()):
                 continue
-            if (
-                int(round_text) >= newest
-                and (self.as_of < 0 or int(round_text) <= self.as_of)
-                and _alive(int(pid_text))
-            ):
+            if int(round_text) >= newest and (self.as_of < 0 or int(round_text) <= self.as_of) and alive(int(pid_text)):
                 return True
         return False
 
@@ -315,7 +312,8 @@ class StateStore:
 
         ``background``: write the file on the writer thread (after the reply has gone); the
         caller waits for the future before it uses or replaces this node's state again. The
-        context is always written now (Flower serializes it once the handler returns).
+        context is always written now (Flower serializes it once the handler returns). A file that
+        cannot be written (an ``OSError``) is not raised: :func:`.state_writes.failed` keeps it for the reply.
         """
         require_host(host)
         host.stamp = secrets.token_hex(8)
@@ -327,9 +325,13 @@ class StateStore:
             self._drop(None)  # an older copy in the context (another mode's) would shadow the files
             where = {"round": host.round, "host": socket.gethostname(), "folder": str(self.folder)}
             self.context.state[STATE_WHERE] = ConfigRecord(where)
-        self.folder.mkdir(parents=True, exist_ok=True)
         marker = self.folder / f".r{host.round}.pending.{os.getpid()}"
-        marker.touch()  # before the reply goes: a reader in another process waits for the file
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            marker.touch()  # before the reply goes: a reader in another process waits for the file
+        except OSError as err:  # a full or read-only folder: kept, and said in this reply (.state_writes)
+            failed(self.owner, self.context, host.round, marker, err)
+            return host.stamp, None
         if not background:
             self._to_file(host, marker)
             return host.stamp, None
@@ -359,13 +361,14 @@ class StateStore:
         dead future).
         """
         assert self.folder is not None
+        at: Path = self.folder  # what is being written, for a write that fails (.state_writes)
         try:
             self._sweep()
             if host.anchor is not None:
                 anchor_path = self._anchor_path(host.anchor_version, host.anchor_checksum)
                 if not anchor_path.exists():  # once per anchor for all the run's nodes
                     anchor_path.parent.mkdir(parents=True, exist_ok=True)
-                    tmp = anchor_path.with_name(f".{anchor_path.stem}.{os.getpid()}.tmp.npy")
+                    at = tmp = anchor_path.with_name(f".{anchor_path.stem}.{os.getpid()}.tmp.npy")
                     np.save(tmp, host.anchor)
                     os.replace(tmp, anchor_path)
             files = self._files()
@@ -379,38 +382,17 @@ class StateStore:
             slots |= {p: r for r, p in files if p in slots}
             newest = max(slots.values())
             target = min(slots, key=lambda p: (slots[p] < host.round and slots[p] == newest, slots[p]))
-            write_state_file(target, host, in_place=True)
+            write_state_file(at := target, host, in_place=True)
             kept_path = None if kept is None else kept[1]
             for r, p in self._files():  # this node's only (a file whose header does not read is left alone)
                 old_kept = p.name.startswith("r") and p != kept_path
                 if p != target and r >= 0 and (old_kept or r >= host.round):
                     p.unlink(missing_ok=True)
+        except OSError as err:  # a full or read-only folder: the older copy stays; the next reply says so
+            failed(self.owner, self.context, host.round, at, err)
         finally:
             if marker is not None:
                 marker.unlink(missing_ok=True)
-
-
-_LEFT_BEHIND = re.compile(r"\.(?:.+\.(\d+)\.tmp(?:\.npy)?|r\d+\.pending\.(\d+)|probe\.(\d+))")
-
-
-def _writer_pid(name: str) -> int | None:
-    """The writer's process id in a temporary file's or marker's name, None for any other name.
-
-    ``.<file>.<pid>.tmp[.npy]`` (a file being written), ``.r<round>.pending.<pid>`` (a write
-    announced), ``.probe.<pid>`` (a hello's probe).
-    """
-    match = _LEFT_BEHIND.fullmatch(name)
-    return None if match is None else int(next(g for g in match.groups() if g is not None))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def load_state(context: Context) -> HostState | None:

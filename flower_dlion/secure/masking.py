@@ -13,7 +13,7 @@ Everything stays *bit-sliced*: a vector of d values in Z_{2^b} is b bit planes o
 is b·⌈d/8⌉ keystream bytes read as planes, and sums are ripple-carry adds on 64-bit words
 (:func:`add_planes_`): nobody unpacks d values.
 
-Keys and secrecy per round (docs/GUIDE.md, "Secure aggregation"): a pair's long-lived secret is
+Keys and secrecy per round (docs/USER_GUIDE.md, "Secure aggregation"): a pair's long-lived secret is
 ``HKDF-SHA256(X25519(skᵢ, pkⱼ), info = run key)`` (:func:`pair_seed`), which never leaves either node.
 Its **round seed** is ``SHA-256(label ‖ secret ‖ round)`` (:func:`round_seed`), one-way: revealing
 round t's seed (what a survivor does for a neighbour that dropped out of round t) says nothing

@@ -14,13 +14,15 @@ calls it in this order:
 3. ``apply``: x ← x − lr·(Δ + wd·x) (anchored: C ← C + Δ, x = γ·xₐ − η·C), combine the round's
    momenta and buffers by medians; it returns the encoded Δ, which the strategy hands to its
    downlink to keep for clients that fall behind.
-4. ``round_metrics``: the round's row of ``results.jsonl``, with the round's :class:`RoundCounts`.
+4. ``round_metrics``: the round's row of ``results.jsonl``, with the round's :class:`RoundCounts`;
+   the state writes its nodes report as failed decide whether the run stops (:mod:`.state_writes`,
+   ``take_stop``).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from logging import WARNING
 from typing import TYPE_CHECKING
@@ -37,6 +39,7 @@ from ..protocol import (
     EXPLAINED_FLIPS,
     MASKED_STYPE,
     METRICS,
+    NOTICE,
     OPTIONAL_REPLY_METRICS,
     REPLY_METRICS,
     SEED_MISMATCH,
@@ -52,7 +55,9 @@ from ..server_delta import Aggregator, choose_aggregator, counts_delta
 from ..uploads import Parsed, Shape, upload_kind
 from .common import CheckedReplies
 from .options import OptionAttribute, Options
+from .run_stops import RunStopped
 from .server_state import Broadcast, Round, ServerState, Unmasked, ValidReply
+from .state_writes import Reported, StateWrites, note
 
 if TYPE_CHECKING:
     from .views import ModelView
@@ -76,12 +81,16 @@ class RoundCounts:
         served where its state files are not).
     clipped : int
         ef-sign scales cut to the median (``clipped-scales``).
+    write_failures : dict[int, tuple[int, WriteFailure]]
+        Nodes whose reply (valid or not) reports that they could not write their state, with
+        their partition and the failure (``state-write-failures``; :mod:`.state_writes`).
 
     """
 
     resyncs: int = 0
     state_resets: int = 0
     clipped: int = 0
+    write_failures: Reported = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -136,6 +145,8 @@ class Uplink:
         self.kind = upload_kind(options.uplink.upload)
         self.told_flips = False  # the coin-flip warning was logged
         self.told_seed = False  # the init-seed mismatch warning was logged
+        self.writes = StateWrites()  # the failed state writes nodes reported
+        self.stop: RunStopped | None = None  # asked for by a round's replies (no node can keep its state)
 
     @property
     def lion_steps(self) -> int:
@@ -169,7 +180,7 @@ class Uplink:
     def check_reply(self, msg: Message, rnd: Round) -> ValidReply:
         """Validate one reply; return it parsed, or raise RejectedReply."""
         node_id = msg.metadata.src_node_id
-        check_envelope(msg, rnd.sent.keys(), rnd.server_round, (UPLOAD, METRICS))
+        check_envelope(msg, rnd.sent.keys(), rnd.server_round, (UPLOAD, METRICS), optional=(NOTICE,))
         content = msg.content
         record = content[UPLOAD]
         expected = self._expected_arrays(rnd)
@@ -211,6 +222,8 @@ class Uplink:
             if not isinstance(arr, Array):
                 raise RejectedReply(f"{name!r} is a {type(arr).__name__}, expected an Array")
             if dtype == "float32":  # scales, momenta and buffers: exact shape and size, finite
+                if arr.dtype == "float32" and (got := tuple(arr.shape)) != (nbytes // 4,):  # another model's: final
+                    raise RejectedReply(f"Array {name!r} shape {got}, expected {(nbytes // 4,)}", final=True)
                 a = torch.from_numpy(float_array(arr, (nbytes // 4,), name).copy())
                 if not bool(torch.isfinite(a).all()) or (name == "scales" and bool((a < 0).any())):
                     raise RejectedReply(
@@ -223,8 +236,8 @@ class Uplink:
                     f"Array {name!r} has stype {arr.stype!r} dtype {arr.dtype!r}, expected {stype!r} {dtype!r}"
                 )
             shape = (nbytes // 8,) if dtype == "uint64" else (d,)  # masked buffers: one uint64 a value
-            if tuple(arr.shape) != shape:
-                raise RejectedReply(f"Array {name!r} shape {tuple(arr.shape)}, expected {shape}")
+            if tuple(arr.shape) != shape:  # the node's model has another layout (final: left out of sampling)
+                raise RejectedReply(f"Array {name!r} shape {tuple(arr.shape)}, expected {shape}", final=True)
             if len(arr.data) != nbytes:
                 raise RejectedReply(f"Array {name!r} has {len(arr.data)} bytes, expected {nbytes} for d={d}")
         return floats
@@ -235,6 +248,7 @@ class Uplink:
         """A refused reply from a node of round ``rnd``: what it says about the node's replica (``counts.resyncs``)."""
         if node_id not in rnd.sent or again:
             return  # a stray reply says nothing about the node's replica
+        note(counts.write_failures, rnd.server_round, msg, node_id, pid)  # it could not write its state
         if err.resync or (msg.has_error() and CLIENT_STATE_ERROR in msg.error.reason):
             self.state.version_of.pop(pid, None)  # its replica is unknown: the full model next time
             counts.resyncs += int(err.resync)
@@ -330,11 +344,12 @@ class Uplink:
     ) -> dict[str, int | float]:
         """The round's row: replies, faults, bytes as measured and as fp32 would have been, coin flips.
 
-        Each key, its range in an honest run and when it signals a problem: docs/GUIDE.md, "The
+        Each key, its range in an honest run and when it signals a problem: docs/USER_GUIDE.md, "The
         round's metrics". ``agreement`` is mean |S| / (n·K) for signs and sums; for ef-sign, whose
         S sums scaled signs (``apply`` gives NaN), the same of the uploaded signs, mean |Σᵢ ±1| / n.
         """
         d, n = self.model.num_parameters, len(valid)
+        self._close_writes(rnd, replies, checked, counts)
         bytes_up = sum(message_bytes(msg) for msg in replies)
         flip_fraction = self._coin_flip_fraction(valid, rnd.server_round)
         losses = [r.values["train-loss"] for r in valid]
@@ -367,7 +382,22 @@ class Uplink:
             "agreement": agreement,
             "coin-flip-fraction": flip_fraction,
             "clipped-scales": counts.clipped,
+            "state-write-failures": len(counts.write_failures),
+            "client-errors": sum(1 for msg in replies if msg.has_error()),
         }
+
+    def _close_writes(self, rnd: Round, replies: list[Message], checked: CheckedReplies, counts: RoundCounts) -> None:
+        """Read the failed state writes the valid replies report; the stop when every node that answered did."""
+        for msg in replies:  # the rejected ones were read by on_rejected, with the partition the server knows
+            if not msg.has_error() and NOTICE in msg.content and msg.metadata.src_node_id in rnd.sent:
+                note(counts.write_failures, rnd.server_round, msg, msg.metadata.src_node_id)
+        stop = self.writes.close(counts.write_failures, rnd.server_round, checked.answered & rnd.sent.keys())
+        self.stop = self.stop or stop
+
+    def take_stop(self) -> RunStopped | None:
+        """The stop a round asked for (:meth:`.state_writes.StateWrites.close`), once: ``start``'s loop raises it."""
+        stop, self.stop = self.stop, None
+        return stop
 
     def _check_explained(self, values: dict[str, float]) -> None:
         """The ``coin-flips-*`` metrics (:mod:`flower_dlion.coin_flips`), when present: in their ranges."""

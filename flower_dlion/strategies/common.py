@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from logging import INFO, WARNING
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
@@ -25,22 +24,17 @@ from flwr.supercore import log
 from ..params import ModelSpec
 from ..protocol import RejectedReply, error_text, to_array
 from .nodes import Nodes
+from .replies import CheckedReplies, check_replies
 from .run_loop import DLionResult, run_rounds, run_totals
-from .run_stops import FailedRounds, whole_reason
+from .run_stops import FailedRounds
+
+if TYPE_CHECKING:
+    from .secure_rounds import SecureRounds
 
 __all__ = ["CheckedReplies", "DLionResult", "Layout", "ServerModelStrategy", "check_common_args"]
 
 Layout = list[tuple[str, tuple[int, ...]]]
 R = TypeVar("R")
-
-
-@dataclass
-class CheckedReplies(Generic[R]):
-    """The replies of one round, sorted out by :meth:`ServerModelStrategy._check_and_log_replies`."""
-
-    valid: list[R] = field(default_factory=list)  # what the check made of each valid reply, in arrival order
-    answered: set[int] = field(default_factory=set)  # nodes that replied, validly or not
-    rejected: int = 0  # replies refused (malformed, stale, an error, a node's second reply)
 
 
 def check_common_args(*, lr: float, weight_decay: float, betas: dict[str, float]) -> None:
@@ -57,7 +51,7 @@ def check_common_args(*, lr: float, weight_decay: float, betas: dict[str, float]
 class ServerModelStrategy(Strategy):
     """Base of our strategies: the strategy holds the global model (x and the rest of the model).
 
-    x is taken from the initial arrays in the first ``configure_train``: the entries the
+    x is taken from the initial arrays in round 1 (by the subclass's configure_train): the entries the
     clients' model description (their hello) calls trainable, every array when they send none.
 
     Nodes are known by a key, not by Flower's node ids (:class:`~flower_dlion.strategies.nodes.Nodes`,
@@ -88,8 +82,15 @@ class ServerModelStrategy(Strategy):
         after this many rounds in a row with fewer than ``min_replies`` valid replies; a round
         with enough resets the count. 0 never stops. Independently, the first round stops when
         every connected node answered its hello with an error.
+    wait_for_nodes : float | None (default: None)
+        Seconds a round waits for ``min_available_nodes`` connected nodes, and for as many as it
+        needs (secure aggregation: ``min_train_nodes``, at least 3) that can take part, before the
+        run stops (:class:`RunStopped`, naming both counts); None: the round timeout (``start``'s
+        ``timeout``). Also an attribute: ``strategy.wait_for_nodes = 60``.
 
     """
+
+    secure_rounds: SecureRounds | None = None  # secure aggregation's keys and unmasking (DistributedLion's)
 
     def __init__(
         self,
@@ -102,6 +103,7 @@ class ServerModelStrategy(Strategy):
         fraction_evaluate: float = 0.0,
         min_evaluate_nodes: int = 2,
         max_failed_rounds: int = 3,
+        wait_for_nodes: float | None = None,
     ) -> None:
         if not 0.0 < fraction_train <= 1.0:
             raise ValueError(f"fraction_train must be in (0, 1], got {fraction_train}")
@@ -132,7 +134,7 @@ class ServerModelStrategy(Strategy):
         self._rest: dict[str, np.ndarray] = {}  # the buffers, by name (what full messages carry besides x)
         self._frozen: dict[str, np.ndarray] = {}  # the initial arrays' frozen parameters: never sent, returned
         self._out: dict[str, np.dtype] = {}  # name → the initial array's dtype (how arrays() returns it)
-        self.nodes = Nodes(self, lambda node_id, why: self._failures.reject(node_id, why))
+        self.nodes = Nodes(self, lambda node_id, why: self._failures.reject(node_id, why), wait_for_nodes)
         self._outbox: list[Message] = []  # the train messages of the round in progress
         self._evaluating: set[int] = set()  # nodes sent an evaluate message this round
         self.num_rounds = 0  # the last round of the run in progress (set by start)
@@ -140,6 +142,15 @@ class ServerModelStrategy(Strategy):
         self._initial: dict[str, np.ndarray] | None = None  # the initial arrays, until x is made from them
         self._described: ModelSpec | None = None  # the model description the first valid hello gave
         self._initial_checksums: dict[str, int] = {}  # of the initial arrays' frozen tensors, once computed
+
+    @property
+    def wait_for_nodes(self) -> float | None:
+        """Seconds a round waits for enough nodes before the run stops (None: the round timeout)."""
+        return self.nodes.wait_for_nodes
+
+    @wait_for_nodes.setter
+    def wait_for_nodes(self, seconds: float | None) -> None:
+        self.nodes.wait_for_nodes = seconds  # checked there
 
     @property
     def num_parameters(self) -> int:
@@ -225,35 +236,15 @@ class ServerModelStrategy(Strategy):
         check: Callable[[Message], R],
         on_rejected: Callable[[Message, int, int, RejectedReply, bool], None] | None = None,
     ) -> CheckedReplies[R]:
-        """Validate each reply with ``check``; log and count the ones it refuses, and second replies.
+        """Validate each reply with ``check``; log and count the ones it refuses (:func:`.replies.check_replies`).
 
         ``check(msg)`` returns the parsed reply or raises :class:`RejectedReply`. For a refused
         reply, ``on_rejected(msg, node_id, partition, error, again)`` is called before the node is
-        marked as answered; ``again`` is true for the node's second reply of the round.
+        marked as answered; ``again`` is true for the node's second reply of the round. A node
+        whose reply has the wrong layout is left out of sampling until it says hello again.
         """
-        out: CheckedReplies[R] = CheckedReplies()
-        for msg in replies:
-            node_id, pid = self.nodes.reply_node(msg, self._outbox)  # a SuperLink error reply: the node's
-            try:
-                if node_id in out.answered:
-                    raise RejectedReply("a second reply from this node in this round")
-                parsed = check(msg)
-            except RejectedReply as err:
-                out.rejected += 1
-                if on_rejected is not None:
-                    on_rejected(msg, node_id, pid, err, node_id in out.answered)
-                out.answered.add(node_id)
-                why = "round %d: rejected reply from node %d (partition %d): %s"
-                log(WARNING, why, server_round, node_id, pid, err)
-                self._failures.reject(node_id, whole_reason(msg, err))
-                continue
-            out.answered.add(node_id)
-            out.valid.append(parsed)
-        for msg in self._outbox:
-            if (node_id := msg.metadata.dst_node_id) not in out.answered:
-                pid = self.partition_of(node_id)
-                log(WARNING, "round %d: no reply from node %d (partition %d)", server_round, node_id, pid)
-        return out
+        return check_replies(server_round, replies, check, on_rejected,
+                             nodes=self.nodes, failures=self._failures, outbox=self._outbox)  # fmt: skip
 
     def _round_outcome(self, server_round: int, valid: int, why: str) -> None:
         """Count the round as failed (fewer than ``min_replies`` valid replies) or reset the count.
@@ -276,6 +267,10 @@ class ServerModelStrategy(Strategy):
 
     def _check_hello(self, node_id: int, record: ConfigRecord | MetricRecord) -> None:
         """Raise RejectedReply for a hello this strategy cannot work with (subclasses check the model)."""
+
+    def _nodes_needed(self) -> tuple[int, str] | None:
+        """The nodes every round needs to take part, and why: secure aggregation's; None without it."""
+        return None if self.secure_rounds is None else self.secure_rounds.nodes_needed(self.min_train_nodes)
 
     def _on_new_node(self, pid: int, node_id: int, version: int, previous: int | None) -> None:
         """A node introduced itself (``previous``: the node id this key had before)."""

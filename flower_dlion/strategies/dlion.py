@@ -28,6 +28,7 @@ from flwr.supercore import log
 
 from ..params import ModelSpec, layer_mask
 from ..protocol import STATE_KEY, RejectedReply, checksum
+from . import divergence
 from .aggregation import RoundCounts, Uplink
 from .common import ServerModelStrategy
 from .downlink_messages import Downlink
@@ -101,6 +102,16 @@ class DistributedLion(ServerModelStrategy):
         After this many rounds in a row with fewer than ``min_replies`` valid replies,
         ``aggregate_train`` raises :class:`~flower_dlion.RunStopped` naming the rounds and why; 0
         never stops. Round 1 also stops when every node answered its hello with an error.
+    wait_for_nodes : float | None (default: None)
+        Seconds a round waits for the nodes it needs before the run stops naming both counts; None: the round timeout.
+    divergence_factor : float (default: 10.0)
+        f > 1 (``math.inf``: non-finite losses only). A WARNING names round t, its train-loss Lₜ, the running
+        minimum mₜ = min_{s<t} Lₛ, f and the nodes when Lₜ > f·mₜ in ``divergence_rounds`` rounds in a row,
+        or when a node's train-loss is not finite (:mod:`~.divergence`; a resume goes on with m and the streak).
+    divergence_rounds : int (default: 1)
+        R ≥ 1, the rounds in a row with Lₜ > f·mₜ before it warns (1: in the round the loss passes f·m).
+    stop_on_divergence : bool (default: False)
+        Stop the run at that warning: ``aggregate_train`` raises :class:`~flower_dlion.RunStopped`.
     max_history_bytes : int | None (default: None)
         Bytes of past Δs (anchored: counts) kept for clients that missed rounds; ``None``: the
         model's size (chain), 8 times it (anchored).
@@ -166,7 +177,7 @@ class DistributedLion(ServerModelStrategy):
     sign_noise_kind : {"uniform", "gaussian"} (default: "uniform")
         The distribution of ξ.
     secure : bool (default: False)
-        Secure aggregation (:mod:`~.secure_rounds`; docs/GUIDE.md, "Secure aggregation"): clients
+        Secure aggregation (:mod:`~.secure_rounds`; docs/USER_GUIDE.md, "Secure aggregation"): clients
         upload their signs under pairwise masks, b = ⌈log₂(n+1)⌉ bits a parameter; the server learns
         the counts (the same Δ), not one client's signs in any round. Needs the sign upload, an exact
         broadcast; one more query round trip a round (the survivors' reveals).
@@ -201,6 +212,7 @@ class DistributedLion(ServerModelStrategy):
     downlink, anchor_every, max_history_bytes, init_seed = OptionAttribute.group("downlink", 4)
     momentum_sync_every, momentum_sync_layers, buffer_sync_every = OptionAttribute.group("sync", 3)
     secure, secure_degree = OptionAttribute.group("secure", 2)
+    divergence_factor, divergence_rounds, stop_on_divergence = OptionAttribute.group("divergence", 3)
 
     def __init__(
         self,
@@ -218,6 +230,10 @@ class DistributedLion(ServerModelStrategy):
         min_available_nodes: int | None = None,
         min_replies: int = 1,
         max_failed_rounds: int = 3,
+        wait_for_nodes: float | None = None,
+        divergence_factor: float = 10.0,
+        divergence_rounds: int = 1,
+        stop_on_divergence: bool = False,
         max_history_bytes: int | None = None,
         local_steps: int = 1,
         local_optimizer: Literal["lion", "sgd"] = "lion",
@@ -247,7 +263,7 @@ class DistributedLion(ServerModelStrategy):
         super().__init__(  # checks and keeps the sampling arguments
             fraction_train=fraction_train, min_train_nodes=min_train_nodes, min_available_nodes=min_available_nodes,
             min_replies=min_replies, sample_seed=sample_seed, fraction_evaluate=fraction_evaluate,
-            min_evaluate_nodes=min_evaluate_nodes, max_failed_rounds=max_failed_rounds,
+            min_evaluate_nodes=min_evaluate_nodes, max_failed_rounds=max_failed_rounds, wait_for_nodes=wait_for_nodes,
         )  # fmt: skip
         if state_key and not STATE_KEY.fullmatch(state_key):
             raise ValueError(f"state_key must be 1 to 64 of A-Z a-z 0-9 _ - (a folder name) or '', got {state_key!r}")
@@ -262,6 +278,7 @@ class DistributedLion(ServerModelStrategy):
         self._mask: torch.Tensor | None = None  # parameters whose momentum is synchronized
         self._counts = RoundCounts()  # what the round in progress counted (resyncs, state resets, clipped scales)
         self.history: list[dict[str, Any]] = []  # one dict of metrics per aggregated round
+        self.divergence = divergence.DivergenceState()  # the divergence watch's running minimum and streak
         state, model = ServerState(), ModelView(self)
         self.up = Uplink(self.options, state, model)  # replies in, Δ applied to x
         self.down = Downlink(self.options, state, model, NodeView(self))  # what each node is sent
@@ -366,7 +383,7 @@ class DistributedLion(ServerModelStrategy):
         Each step is the uplink's (:class:`~.aggregation.Uplink`: ``check_reply``, ``apply``,
         ``round_metrics``); the Δ it applied goes to the downlink (``remember``). What each key of
         the returned MetricRecord means, its range in an honest run and when it signals a problem:
-        docs/GUIDE.md, "The round's metrics".
+        docs/USER_GUIDE.md, "The round's metrics".
         """
         rnd = self._round
         if rnd is None or rnd.server_round != server_round or self.x is None:
@@ -398,7 +415,11 @@ class DistributedLion(ServerModelStrategy):
         self._round, self._counts = None, RoundCounts()
         missing = len(set(rnd.sent) - checked.answered)
         why = f"{len(valid)} valid of {len(rnd.sent)} sent ({checked.rejected} rejected, {missing} without a reply)"
+        losses = divergence.reported_losses(replies, rnd.sent, self.partition_of)  # rejected ones (NaN) too
+        self.divergence = divergence.watch(self.divergence, self.options.divergence, server_round, metrics, losses)
         self._round_outcome(server_round, len(valid), why)  # RunStopped after max_failed_rounds failed rounds
+        if (stop := self.up.take_stop()) is not None:
+            raise stop  # no node can keep its state (.state_writes): its row is in the history
         return self.arrays(), MetricRecord(metrics)
 
     # ------------------------------------------------------------------ checkpoints
@@ -418,6 +439,7 @@ class DistributedLion(ServerModelStrategy):
         """Go on from :meth:`state_dict`: every node says hello again and is sent what it lacks."""
         super().load_state_dict(state)
         self._mask = layer_mask(self._layout, self.momentum_sync_layers)
+        self.divergence = divergence.replay(self.options.divergence, self.history)  # m and the streak, from history
         self.state = ServerState.from_dict(state)
         self.state_key = str(state["state_key"])
         self._auto_key = str(state.get("run_key", self._auto_key))  # a resumed run is the same run

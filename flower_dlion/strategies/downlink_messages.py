@@ -21,10 +21,13 @@ The client's side of the same message is :mod:`flower_dlion.clients.replica`.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 from logging import WARNING
 from typing import TYPE_CHECKING
 
+import numpy as np
+import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.supercore import log
 
@@ -49,7 +52,7 @@ from .server_state import Broadcast, Round, ServerState, ValidReply
 if TYPE_CHECKING:
     from .views import ModelView, NodeView
 
-__all__ = ["Downlink"]
+__all__ = ["Downlink", "payload_crc"]
 
 Content = tuple[RecordDict, str, int]  # a message's content, its kind and its payload length in bytes
 Option = tuple[int, str, int, list[Segment]]  # an anchored catch-up: its bytes, kind, base version, segments
@@ -166,6 +169,7 @@ class Downlink:
             state_round=server_round - 1 if files else None,
             keep_round=self.nodes.checkpoint_round if files else 0,
             secure=self.options.secure.secure,
+            checksum=rnd.base_checksum,  # the node checks its replica against it before it keeps anything
         ).to_record()
 
     def confirm(self, valid: list[ValidReply], rnd: Round) -> None:
@@ -222,6 +226,7 @@ class Downlink:
             assert have is not None
             return self._chain_content(node_id, have, chain, round_config, rnd)
         round_config.update({"kind": "full", "base-version": -1, "layout": layout_fingerprint(self.model.layout)})
+        round_config["payload-crc"] = [rnd.base_checksum]  # the payload is x
         payload = ArrayRecord({"payload": to_array(self.model.x.numpy())})
         content = RecordDict({CONFIG: round_config, BROADCAST: payload})
         self._add_rest(content)
@@ -259,6 +264,7 @@ class Downlink:
         if any(b.scales is not None for b in chain):
             ones = (1.0,) * len(self.model.scale_sizes)
             round_config["scales"] = [v for b in chain for v in (b.scales if b.scales is not None else ones)]
+        round_config["payload-crc"] = payload_crc(rnd, [b.payload for b in chain])
         array = Array(dtype="level", shape=(len(chain) * self.model.num_parameters,), stype=LEVELS_STYPE, data=payload)
         return RecordDict({CONFIG: round_config, BROADCAST: ArrayRecord({"payload": array})}), "deltas", len(payload)
 
@@ -276,12 +282,14 @@ class Downlink:
         round_config.update({"kind": "full" if kind == "full" else "counts", "base-version": base})
         round_config["anchor-every"] = self.anchor_every
         records: dict[str, Array] = {}
+        parts: list[bytes | torch.Tensor] = []  # the payload's parts, in the order the client reads them (payload-crc)
         if kind == "seed":
             rnd.seeded.add(node_id)
             round_config.update(self._seed_config())
         if kind == "full":  # base is the anchor's version
             round_config.update({"anchor-version": base, "layout": layout_fingerprint(self.model.layout)})
             records["payload"] = to_array(history.anchor.numpy())
+            parts.append(history.anchor)
         if segments:
             if kind != "full":
                 rnd.chain_lengths[node_id] = self.state.version - base
@@ -298,9 +306,11 @@ class Downlink:
             if any(s.levels for s in segments):  # a single Δ as its packed levels (2 or 3), 0: entropy-coded
                 round_config["segment-levels"] = [s.levels for s in segments]
             data = b"".join(s.payload for s in segments)
+            parts.extend(s.payload for s in segments)
             records["counts"] = Array(dtype="coded", shape=(len(data),), stype=CODED_STYPE, data=data)
         content = RecordDict({CONFIG: round_config})
         if records:
+            round_config["payload-crc"] = payload_crc(rnd, parts)
             content[BROADCAST] = ArrayRecord(records)
         if kind == "full":
             self._add_rest(content)
@@ -375,3 +385,19 @@ class Downlink:
         limit = 4 * self.model.num_parameters if self.max_history_bytes is None else self.max_history_bytes
         while self.state.broadcasts and sum(len(b.payload) for b in self.state.broadcasts) > limit:
             self.state.broadcasts.popleft()
+
+
+def payload_crc(rnd: Round, parts: list[bytes | torch.Tensor]) -> list[int]:
+    """The CRC-32 of each part of a payload (``payload-crc``), each computed once a round.
+
+    The parts are what the client reads, in order: the float32 model or anchor (a tensor), then
+    each Δ or segment (bytes). The nodes in sync share one Δ, so its CRC is computed once.
+    """
+    out = []
+    for part in parts:
+        known = rnd.crcs.get(id(part))
+        if known is None or known[0] is not part:
+            data = part if isinstance(part, bytes) else part.numpy().view(np.uint8)
+            known = rnd.crcs[id(part)] = (part, zlib.crc32(data))
+        out.append(known[1])
+    return out

@@ -4,14 +4,21 @@ Flower's node ids are random per run and new after a SuperNode restarts, so our 
 a node by a *key*: the ``partition-id`` of its node config, or, without one, its node id. Each new
 node id gets one hello (a ``query.dlion`` message, ``protocol.HELLO``) and says in its answer which
 partition it trains on and which version of the model it holds; :class:`Nodes` keeps the two maps
-(node id ↔ key), the nodes refused for good, and samples the connected keys for a round with
+(node id ↔ key), the nodes refused for good, the nodes left out (their replies have the wrong
+layout: :meth:`Nodes.leave_out`), and samples the connected keys for a round with
 ``numpy.random.default_rng([sample_seed, round])``: the same partitions in every run with the same
 seed, whatever the node ids, and after a resume. What a hello carries and how its answer is
 checked is the strategy's (:class:`HelloHooks`).
+
+Before a round samples, enough nodes must be connected (``min_available_nodes``) and able to take
+part (as many as the strategy's every round needs: secure aggregation's); :meth:`Nodes.discover`
+waits for them at most ``wait_for_nodes`` seconds, then stops the run (:class:`RunStopped`) naming
+both counts.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable
 from logging import INFO, WARNING
@@ -80,6 +87,9 @@ class HelloHooks(Protocol):
 
     min_available_nodes: int
 
+    def _nodes_needed(self) -> tuple[int, str] | None:
+        """The nodes every round needs to take part, and why (e.g. secure aggregation's); None: no such floor."""
+
     def _hello_config(self, server_round: int) -> ConfigRecord:
         """What a hello carries."""
 
@@ -100,20 +110,43 @@ class Nodes:
         before any round samples (its ``min_available_nodes``).
     reject : callable (node id, reason) -> None
         Called with each failed hello (the strategy counts it towards stopping the run).
+    wait_for_nodes : float | None (default: None)
+        Seconds :meth:`discover` waits for enough nodes before it stops the run; None: ``query_timeout``.
+
+    Attributes
+    ----------
+    query_timeout : float
+        Seconds to wait for the answers to a hello (``start`` sets it to the round timeout).
 
     """
 
-    def __init__(self, hooks: HelloHooks, reject: Callable[[int, str], None]) -> None:
+    def __init__(
+        self, hooks: HelloHooks, reject: Callable[[int, str], None], wait_for_nodes: float | None = None
+    ) -> None:
         self.hooks = hooks
         self.reject = reject
         self.query_timeout = 600.0  # seconds to wait for the answers to a hello
+        self.wait_for_nodes = wait_for_nodes
         self.forget()
+
+    @property
+    def wait_for_nodes(self) -> float | None:
+        """Seconds to wait for enough nodes before a round stops the run (None: ``query_timeout``)."""
+        return self._wait_for_nodes
+
+    @wait_for_nodes.setter
+    def wait_for_nodes(self, seconds: float | None) -> None:
+        ok = seconds is None or (isinstance(seconds, (int, float)) and not isinstance(seconds, bool))
+        if not ok or (seconds is not None and not (math.isfinite(seconds) and seconds >= 0)):
+            raise ValueError(f"wait_for_nodes must be a finite number of seconds >= 0, or None, got {seconds!r}")
+        self._wait_for_nodes = seconds
 
     def forget(self) -> None:
         """Forget every node id (after a resume: the nodes say hello again)."""
         self.pid_of: dict[int, int] = {}  # node id → its key (partition id, or its node id)
         self.node_of: dict[int, int] = {}  # key → node id
         self.refused: dict[int, str] = {}  # node id → why its hello was refused (not asked again)
+        self.left_out: dict[int, str] = {}  # node id → why its replies have the wrong layout (until a new hello)
         self.greeted = False  # a node has answered a hello usefully in this process
 
     def partition_of(self, node_id: int) -> int:
@@ -157,24 +190,99 @@ class Nodes:
         log(INFO, "%s: sampled %d nodes (out of %d)", what, len(pids), len(nodes))
         return [self.node_of[int(p)] for p in pids]
 
+    def leave_out(self, node_id: int, pid: int, why: str, server_round: int) -> bool:
+        """Leave a node whose reply has the wrong layout (``why``) out of sampling until it says hello again.
+
+        Logged once, one WARNING line naming the node, its partition and ``why``. The node id is
+        forgotten: it is greeted again when it comes back under a new node id, after it left (no
+        longer connected), or after a resume (:meth:`forget`). Returns False (nothing done) for a
+        node already left out.
+        """
+        if node_id in self.left_out:
+            return False
+        self.left_out[node_id] = why
+        self.pid_of.pop(node_id, None)
+        if self.node_of.get(pid) == node_id:
+            del self.node_of[pid]
+        line = (
+            "round %d: rejected reply from node %d (partition %d) of the wrong layout: %s. The node is left out of "
+            "sampling until it says hello again (a new node id, or a resume)"
+        )
+        log(WARNING, line, server_round, node_id, pid, why)
+        return True
+
     def discover(self, grid: Grid, server_round: int) -> list[int]:
-        """Wait for ``min_available_nodes``; say hello to new node ids; the connected nodes we know.
+        """Wait for enough nodes; say hello to new node ids; the connected nodes we know (that can take part).
+
+        Enough: ``min_available_nodes`` connected, and as many as every round needs able to take
+        part (the hooks' ``_nodes_needed``: secure aggregation's). The wait polls every second for
+        at most ``wait_for_nodes`` seconds (None: ``query_timeout``).
 
         Raises
         ------
         RunStopped
             Before any node has answered a hello usefully, when every connected node has now
             answered its hello with an error or a refusal (at least one of them an error: a
-            model that does not match is the strategy's to report).
+            model that does not match is the strategy's to report). After the wait, when there
+            are still too few nodes: the message names what is needed and what there is.
 
         """
-        connected, least = list(grid.get_node_ids()), self.hooks.min_available_nodes
-        while len(connected) < least:
-            why = "waiting for nodes: %d of %d connected (min_available_nodes; run config 'min-available-nodes')"
-            log(INFO, why, len(connected), least)
-            time.sleep(1.0)
+        least, needs = self.hooks.min_available_nodes, self.hooks._nodes_needed()
+        need = 0 if needs is None else needs[0]
+        wait = self.query_timeout if self.wait_for_nodes is None else self.wait_for_nodes
+        start, known, told = time.monotonic(), list[int](), ""  # told: the counts of the last line logged
+        greeted: set[int] | None = None  # the connected nodes of the last hellos
+        while True:
             connected = list(grid.get_node_ids())
-        new = [n for n in connected if n not in self.pid_of and n not in self.refused]
+            self.left_out = {n: why for n, why in self.left_out.items() if n in connected}  # gone: greeted again
+            enough = len(connected) >= max(least, need)
+            if enough and greeted != set(connected):  # hellos once for each set of connected nodes
+                known, greeted = self._greet_new(grid, connected, server_round), set(connected)
+                if len(known) >= need:
+                    return known
+            waited = time.monotonic() - start
+            if waited >= wait:
+                raise RunStopped(self._too_few(connected, known if enough else [], least, needs, wait), server_round)
+            have = f"{len(connected)} connected" + (f", {len(known)} can take part" if enough else "")
+            if have != told:  # a line when the counts change, not every second
+                line = "waiting for nodes: %s; %s: the run stops in %.0f s unless they come"
+                log(INFO, line, have, self._needed_text(least, needs), wait - waited)
+                told = have
+            time.sleep(min(1.0, wait - waited))
+
+    @staticmethod
+    def _needed_text(least: int, needs: tuple[int, str] | None) -> str:
+        """What sets the nodes a round waits for: ``min_available_nodes``, or the strategy's own floor."""
+        if needs is not None and needs[0] >= least:
+            return needs[1]
+        return (
+            f"min_available_nodes = {least} nodes must be connected before a round samples "
+            "(run config 'min-available-nodes')"
+        )
+
+    def _too_few(
+        self, connected: list[int], known: list[int], least: int, needs: tuple[int, str] | None, wait: float
+    ) -> str:
+        """Why :meth:`discover` stops the run: what is needed, what there is after ``wait`` seconds, and why."""
+        after = f"after waiting {wait:g} s (wait_for_nodes, by default the round timeout)"
+        if len(connected) < least and (needs is None or needs[0] < least):
+            return f"{self._needed_text(least, None)}; {len(connected)} {_are(len(connected))} connected {after}"
+        assert needs is not None
+        if len(connected) < needs[0]:
+            return f"{needs[1]}; {len(connected)} {_are(len(connected))} connected {after}"
+        by_reason: dict[str, list[int]] = {}
+        for n in connected:
+            if n not in known:
+                why = "its hello got no useful answer"
+                why = f"its hello was refused: {self.refused[n]}" if n in self.refused else why
+                why = f"left out, wrong layout: {self.left_out[n]}" if n in self.left_out else why
+                by_reason.setdefault(why, []).append(n)
+        reasons = "; ".join(f"{nodes_text(nodes)}: {why}" for why, nodes in list(by_reason.items())[:3])
+        return f"{needs[1]}; {len(known)} of the {len(connected)} connected can take part {after} ({reasons})"
+
+    def _greet_new(self, grid: Grid, connected: list[int], server_round: int) -> list[int]:
+        """Say hello to the connected node ids not greeted yet; the connected nodes we know."""
+        new = [n for n in connected if n not in self.pid_of and n not in self.refused and n not in self.left_out]
         failed: dict[int, str] = {}  # node id → why its hello was rejected now
         if new:
             content = RecordDict({HELLO: self.hooks._hello_config(server_round)})
@@ -251,3 +359,8 @@ class Nodes:
             raise RejectedReply(f"node id {node_id} is already the partition id of node {owner}")
         self.hooks._check_hello(node_id, record)
         return key, version
+
+
+def _are(n: int) -> str:
+    """The verb for ``n`` nodes: "is" for one, "are" for any other count."""
+    return "is" if n == 1 else "are"

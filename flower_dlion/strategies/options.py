@@ -1,7 +1,7 @@
 """The options of :class:`~flower_dlion.strategies.dlion.DistributedLion`, in small groups that check themselves.
 
 :class:`DistributedLion`'s flat keyword arguments (its docstring says what each one is) are kept
-in six frozen groups, each named as the strategy's code uses it:
+in seven frozen groups, each named as the strategy's code uses it:
 
 - :class:`StepOptions`: the server's Lion step (rate, schedule, decay, betas);
 - :class:`LocalOptions`: what each client does between two uploads (local steps, their optimizer);
@@ -11,10 +11,11 @@ in six frozen groups, each named as the strategy's code uses it:
 - :class:`DownlinkOptions`: how a node is brought to x (the options of
   :class:`~flower_dlion.strategies.downlink_messages.Downlink`);
 - :class:`SyncOptions`: the momentum and buffer synchronizations;
-- :class:`SecureOptions`: secure aggregation of the signs (:mod:`flower_dlion.secure`).
+- :class:`SecureOptions`: secure aggregation of the signs (:mod:`flower_dlion.secure`);
+- :class:`~.divergence.DivergenceOptions`: the divergence watch (:mod:`~.divergence`).
 
 Each group raises a ``ValueError`` naming the argument, its value and what it needs when it is
-built with a value out of its range; :class:`Options` holds the six and checks the combinations
+built with a value out of its range; :class:`Options` holds the seven and checks the combinations
 that involve two of them. The strategy reads each option by its argument name
 (``strategy.lr`` is ``strategy.options.step.lr``) through :class:`OptionAttribute`.
 """
@@ -23,13 +24,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+from ..lion import MAX_DECAY
 from ..secure.masking import MIN_PARTICIPANTS
 from ..stochastic import NOISE_KINDS, NOISE_LIMIT
 from ..uploads import upload_kind
 from .common import check_common_args
+from .divergence import DivergenceOptions
 
 __all__ = [
     "DownlinkOptions",
@@ -291,7 +294,7 @@ class SecureOptions:
 
 @dataclass(frozen=True, kw_only=True)
 class Options:
-    """The six groups of options, and the checks that combine two of them.
+    """The seven groups of options, and the checks that combine two of them.
 
     Raises
     ------
@@ -309,6 +312,7 @@ class Options:
     downlink: DownlinkOptions = DownlinkOptions()
     sync: SyncOptions = SyncOptions()
     secure: SecureOptions = SecureOptions()
+    divergence: DivergenceOptions = field(default_factory=DivergenceOptions)  # frozen, defined in .divergence
 
     def __post_init__(self) -> None:
         local, uplink, step, downlink = self.local, self.uplink, self.step, self.downlink
@@ -319,9 +323,10 @@ class Options:
                 f"them and accumulate=1, got upload={uplink.upload!r}, accumulate={local.accumulate}"
             )
         decay = step.lr * step.weight_decay * local.lion_steps
-        if decay >= 1.0:
+        if decay > MAX_DECAY:
             raise ValueError(
-                f"lr * weight_decay * local_steps must be < 1 (got {decay}): x would flip sign every round"
+                f"lr * weight_decay * local_steps must be <= {MAX_DECAY} (got {decay}): x would lose more than "
+                "half of itself every round"
             )
         if downlink.downlink == "anchored" and step.lr_schedule is not None:
             raise ValueError(
@@ -359,13 +364,14 @@ class Options:
 
     @classmethod
     def from_arguments(cls, arguments: Mapping[str, Any]) -> Options:
-        """The six groups from a constructor's keyword arguments: each group takes the fields it names.
+        """The seven groups from a constructor's keyword arguments: each group takes the fields it names.
 
         ``DistributedLion.__init__`` passes its ``locals()``; arguments no group names (the sampling
         ones) are left to the caller.
         """
         groups = {"step": StepOptions, "local": LocalOptions, "uplink": UplinkOptions,
-                  "downlink": DownlinkOptions, "sync": SyncOptions, "secure": SecureOptions}  # fmt: skip
+                  "downlink": DownlinkOptions, "sync": SyncOptions, "secure": SecureOptions,
+                  "divergence": DivergenceOptions}  # fmt: skip
         return cls(
             **{name: group(**{f.name: arguments[f.name] for f in fields(group)}) for name, group in groups.items()}
         )
@@ -404,7 +410,7 @@ class Options:
         if self.secure.secure:
             sec = self.secure
             lines.append(f"secure aggregation: degree={sec.secure_degree}")
-        return [*lines, f"downlink={anchored}"]
+        return [*lines, *self.divergence.describe(), f"downlink={anchored}"]
 
 
 class OptionAttribute:

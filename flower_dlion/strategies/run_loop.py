@@ -4,7 +4,8 @@
 aggregate train, federated evaluation, the server's ``evaluate_fn``, then the per-round hook (the
 app writes checkpoints there); it returns a :class:`DLionResult`, Flower's ``Result`` with the
 run's totals (:func:`run_totals`, summed from the strategy's per-round ``history``), and logs
-them as its closing line (:func:`totals_line`).
+them as its closing line (:func:`totals_line`), with the rounds that were short of replies and why
+(:func:`short_rounds`, :func:`short_text`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pprint
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from logging import INFO
+from logging import INFO, WARNING
 from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
@@ -23,7 +24,7 @@ from flwr.serverapp.strategy import Result, Strategy
 from flwr.serverapp.strategy.result import format_value
 from flwr.supercore import log
 
-__all__ = ["TOTALS", "DLionResult", "run_rounds", "run_totals", "totals_line"]
+__all__ = ["TOTALS", "DLionResult", "run_rounds", "run_totals", "short_rounds", "short_text", "totals_line"]
 
 
 TOTALS = ("num-replies", "num-rejected", "num-failed", "bytes-up", "bytes-down", "bytes-up-fp32", "bytes-down-fp32")
@@ -46,19 +47,32 @@ class DLionResult(Result):
         float32 payloads), and ``fp32-over-sent-up`` / ``fp32-over-sent-down`` (how many times
         fewer bytes than float32 were sent). A strategy that measures no bytes (the gradient
         baselines) has only the counts.
+    short_rounds : int
+        Rounds of the history with fewer valid replies than train messages sent (``num-replies``
+        below ``num-sampled``), whatever else went right in them: a run whose rounds lose most of
+        their replies says so in its closing line (:func:`short_text`) rather than end as if it were whole.
+    short_reasons : dict[str, int]
+        Why those rounds were short, summed over them, the most frequent first, zeros left out:
+        ``"no reply"`` (sampled nodes without a reply within the timeout, ``num-failed``),
+        ``"client error"`` (error replies: the client's handler raised, ``client-errors``) and
+        ``"rejected"`` (other replies the server refused: malformed, stale, a replica mismatch).
 
     """
 
     totals: MetricRecord = field(default_factory=MetricRecord)
+    short_rounds: int = 0
+    short_reasons: dict[str, int] = field(default_factory=dict)
 
     def __repr__(self) -> str:
-        """Flower's representation, then the run's totals."""
+        """Flower's representation, then the run's totals (and its short rounds, if any)."""
         totals = {key: format_value(value) for key, value in self.totals.items()}
+        short = f"Short rounds (result.short_rounds): {self.short_rounds}, {self.short_reasons}\n"
         return (
             super().__repr__()
             + "\nRun totals (result.totals):\n"
             + pprint.pformat(totals, indent=2, sort_dicts=False)
             + "\n"
+            + (short if self.short_rounds else "")
         )
 
 
@@ -138,9 +152,12 @@ def run_rounds(
             on_round_end(current_round)
     log(INFO, "Strategy execution finished in %.2fs", time.time() - t_start)
     result.totals = run_totals(strategy.history)
+    result.short_rounds, result.short_reasons = short_rounds(strategy.history)
     for line in io.StringIO(str(result)):
         log(INFO, "\t%s", line.strip("\n"))
-    log(INFO, "%s", totals_line(result.totals))
+    rounds = int(result.totals["rounds"])
+    closing = totals_line(result.totals) + short_text(result.short_rounds, rounds, result.short_reasons)
+    log(WARNING if 2 * result.short_rounds > rounds else INFO, "%s", closing)
     return result
 
 
@@ -159,3 +176,36 @@ def run_totals(rows: Sequence[dict[str, Any]]) -> MetricRecord:
         if f"bytes-{way}" in totals:
             totals[f"fp32-over-sent-{way}"] = totals[f"bytes-{way}-fp32"] / max(totals[f"bytes-{way}"], 1)
     return MetricRecord(totals)
+
+
+def short_rounds(rows: Sequence[dict[str, Any]]) -> tuple[int, dict[str, int]]:
+    """The rounds with fewer valid replies than sampled nodes, and why (what :class:`DLionResult` keeps).
+
+    A row short of replies has ``num-replies`` < ``num-sampled``; its reasons are its
+    ``num-failed`` ("no reply"; where a strategy reports none, the sampled nodes neither valid
+    nor rejected), its ``client-errors`` ("client error") and the rest of its ``num-rejected``
+    ("rejected"). Rows without ``num-sampled`` are not counted.
+    """
+    count, reasons = 0, {"no reply": 0, "client error": 0, "rejected": 0}
+    for row in rows:
+        sampled, valid = int(row.get("num-sampled", 0)), int(row.get("num-replies", 0))
+        if valid >= sampled:
+            continue
+        count += 1
+        rejected, errors = int(row.get("num-rejected", 0)), int(row.get("client-errors", 0))
+        reasons["no reply"] += int(row.get("num-failed", max(sampled - valid - rejected, 0)))
+        reasons["client error"] += errors
+        reasons["rejected"] += max(rejected - errors, 0)
+    return count, dict(sorted(((k, v) for k, v in reasons.items() if v), key=lambda kv: -kv[1]))
+
+
+def short_text(short: int, rounds: int, reasons: dict[str, int]) -> str:
+    """What the closing line adds for a run with short rounds ("" for none).
+
+    E.g. ``; 4 of 5 rounds short of replies (fewer valid than sent, result.short_rounds): no reply 6,
+    client error 3, rejected 1``.
+    """
+    if not short:
+        return ""
+    why = ": " + ", ".join(f"{reason} {count}" for reason, count in reasons.items()) if reasons else ""
+    return f"; {short} of {rounds} rounds short of replies (fewer valid than sent, result.short_rounds){why}"

@@ -4,8 +4,9 @@ A round *fails* when it has fewer than ``min_replies`` valid replies. :class:`Fa
 counts the failed rounds in a row and keeps why replies were rejected in them (an error reply's
 traceback shortened to its root cause, :func:`short_reason`); at ``max_failed_rounds`` it raises
 :class:`RunStopped`, whose message names the rounds, the nodes and the reasons. Our strategies
-(``ServerModelStrategy``) and the repository app's FedAvg family (``server_app``) use it, and a
-round 1 in which every node's hello failed stops the same way.
+(``ServerModelStrategy``) and the repository app's FedAvg family (``server_app``) use it; a
+round 1 in which every node's hello failed stops the same way, and so does a round that has too few
+nodes after waiting ``wait_for_nodes`` seconds (:meth:`~.nodes.Nodes.discover`).
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ __all__ = ["FailedRounds", "RunStopped", "nodes_text", "reply_error", "short_rea
 
 
 class RunStopped(RuntimeError):
-    """The run cannot learn: no node answers the hello, or too many rounds in a row had no valid reply.
+    """The run cannot learn: too few nodes, no node answers the hello, or too many rounds without a valid reply.
 
-    Raised by a strategy's ``configure_train`` (no node answered the hello usefully) or
-    ``aggregate_train`` (``max_failed_rounds`` failed rounds in a row); the message starts with
-    "the run cannot learn: " and says which rounds, which nodes and why.
+    Raised by a strategy's ``configure_train`` (no node answered the hello usefully; fewer nodes
+    than ``min_available_nodes`` connected, or than secure aggregation needs able to take part, after
+    ``wait_for_nodes`` seconds) or ``aggregate_train`` (``max_failed_rounds`` failed rounds in a
+    row); the message starts with "the run cannot learn: " and says which rounds, which nodes and why.
 
     Attributes
     ----------

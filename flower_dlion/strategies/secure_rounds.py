@@ -22,7 +22,7 @@ One round, and where each step is:
    self-mask already).
 
 What the server learns: the per-coordinate counts of the survivors, nothing of one client's
-signs in any round, whatever it keeps (docs/GUIDE.md, "Secure aggregation", has the threat model,
+signs in any round, whatever it keeps (docs/USER_GUIDE.md, "Secure aggregation", has the threat model,
 the tests that attack each point, and what it gives up).
 """
 
@@ -85,6 +85,20 @@ class SecureRounds:
         self.query_timeout = 600.0
         self.bytes_up = self.bytes_down = 0  # bytes of the queries of the round in progress
         self.round_trips = 0  # query round trips of the round in progress
+
+    @staticmethod
+    def nodes_needed(min_train_nodes: int) -> tuple[int, str]:
+        """The nodes every secure round needs (``min_train_nodes``, at least ``masking.MIN_PARTICIPANTS``), and why.
+
+        The strategy waits for them before a round samples (:meth:`~.nodes.Nodes.discover`) and stops
+        the run when they do not come: with fewer, no round could mask (a masked round of two would
+        show each node the other's signs) or it would mask with fewer than the run asked for.
+        """
+        need = max(masking.MIN_PARTICIPANTS, min_train_nodes)
+        return need, (
+            f"secure aggregation needs at least {need} nodes a round (min_train_nodes = {min_train_nodes}, "
+            "run config 'min-train-nodes')"
+        )
 
     # ------------------------------------------------------------------ 1. keys
     def prepare(self, grid: Grid, nodes: dict[int, int], rnd: Round) -> list[tuple[int, int]]:

@@ -99,6 +99,7 @@ class Round:
     bytes_down_fp32: int = 0
     lr: float = 0.0  # the round's learning rate, lr · lr_schedule(server_round)
     participants: list[int] = field(default_factory=list)  # secure aggregation: the keys masking together
+    crcs: dict[int, tuple[bytes, int]] = field(default_factory=dict)  # id(payload) → (payload, its CRC-32)
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 :data:`GROUPS` (:mod:`.keys`: algorithm, baselines, data, runtime, faults, persistence) is the one
 source of the defaults. ``pyproject.toml``'s ``[tool.flwr.app.config]`` (what ``flwr run`` reads)
-and the key tables of docs/GUIDE.md are generated from it (:mod:`.generate`)::
+and the key tables of docs/APP.md are generated from it (:mod:`.generate`)::
 
     python -m flower_dlion_app.config --write      # rewrite both; a test fails while either is stale
 

@@ -66,6 +66,7 @@ _POSITIVE = (
     "accumulate",
     "anchor-every",
     "max-local-batches",
+    "divergence-rounds",
 )
 
 
@@ -86,6 +87,10 @@ def _check_ranges(cfg: dict[str, Any]) -> None:
         raise ValueError(f"run-config 'seed' must be in [0, 2**32) (numpy's seeds), got {cfg['seed']}")
     if cfg["max-failed-rounds"] < 0:
         raise ValueError(f"run-config 'max-failed-rounds' must be >= 0 (0: never stop), got {cfg['max-failed-rounds']}")
+    if not cfg["divergence-factor"] > 1.0:
+        raise ValueError(
+            f"run-config 'divergence-factor' must be > 1 (inf: non-finite losses only), got {cfg['divergence-factor']}"
+        )
     for key in ("beta1", "beta2", "momentum"):
         if not 0.0 <= cfg[key] < 1.0:
             raise ValueError(f"run-config '{key}' must be in [0, 1), got {cfg[key]}")
@@ -114,6 +119,9 @@ def _check_ranges(cfg: dict[str, Any]) -> None:
         raise ValueError(
             f"run-config 'poll-interval' must be finite and >= 0 (0: the Grid's own), got {cfg['poll-interval']}"
         )
+    if not (math.isfinite(cfg["wait-for-nodes"]) and cfg["wait-for-nodes"] >= 0):
+        wait = cfg["wait-for-nodes"]
+        raise ValueError(f"run-config 'wait-for-nodes' must be finite and >= 0 (0: stop at once), got {wait}")
     for key in ("round-timeout", "byzantine-scale"):
         if not (math.isfinite(cfg[key]) and cfg[key] > 0):
             raise ValueError(f"run-config '{key}' must be finite and > 0, got {cfg[key]}")

@@ -1,4 +1,4 @@
-"""The generated copies of :data:`~.keys.GROUPS`: ``pyproject.toml``'s run-config table and the guide's tables."""
+"""The generated copies of :data:`~.keys.GROUPS`: ``pyproject.toml``'s run-config table and docs/APP.md's tables."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ __all__ = ["generated_files", "guide_table", "main", "pyproject_table"]
 
 ROOT = Path(__file__).resolve().parents[2]
 _TABLE = "[tool.flwr.app.config]"
-_GUIDE_BEGIN, _GUIDE_END = "<!-- BEGIN GENERATED run-config -->", "<!-- END GENERATED run-config -->"
+_DOC_BEGIN, _DOC_END = "<!-- BEGIN GENERATED run-config -->", "<!-- END GENERATED run-config -->"
 
 
 def _toml(value: Any) -> str:
@@ -37,16 +37,16 @@ def pyproject_table() -> str:
 
 
 def guide_table() -> str:
-    """The run-config reference of docs/GUIDE.md: one table per group (key, default, meaning)."""
-    parts = [_GUIDE_BEGIN]
+    """The run-config reference of docs/APP.md: one table per group (key, default, meaning)."""
+    parts = [_DOC_BEGIN]
     for name, group in GROUPS.items():
         parts += ["", f"**{name}**: {group.about}", "", "| key | default | meaning |", "|---|---|---|"]
         parts += [f"| `{key}` | {_markdown(k.default)} | {k.meaning} |" for key, k in group.keys.items()]
-    return "\n".join([*parts, "", _GUIDE_END])
+    return "\n".join([*parts, "", _DOC_END])
 
 
 def _markdown(value: Any) -> str:
-    """A default as the guide shows it: strings in code quotes, numbers as they are."""
+    """A default as docs/APP.md shows it: strings in code quotes, numbers as they are."""
     return f"`{_toml(value)}`" if isinstance(value, str) else _toml(value)
 
 
@@ -59,10 +59,10 @@ def _replaced(text: str, pattern: str, new: str, where: str) -> str:
 
 
 def generated_files(root: Path = ROOT) -> dict[Path, str]:
-    """``pyproject.toml`` and ``docs/GUIDE.md`` under ``root`` as :data:`GROUPS` makes them."""
-    pyproject, guide = root / "pyproject.toml", root / "docs" / "GUIDE.md"
+    """``pyproject.toml`` and ``docs/APP.md`` under ``root`` as :data:`GROUPS` makes them."""
+    pyproject, guide = root / "pyproject.toml", root / "docs" / "APP.md"
     table = re.escape(_TABLE) + r"\n.*?(?=\n\[|\Z)"
-    guide_part = re.escape(_GUIDE_BEGIN) + ".*?" + re.escape(_GUIDE_END)
+    guide_part = re.escape(_DOC_BEGIN) + ".*?" + re.escape(_DOC_END)
     return {
         pyproject: _replaced(pyproject.read_text(), table, pyproject_table().rstrip("\n"), str(pyproject)),
         guide: _replaced(guide.read_text(), guide_part, guide_table(), str(guide)),
@@ -72,7 +72,7 @@ def generated_files(root: Path = ROOT) -> dict[Path, str]:
 def main() -> None:
     """``python -m flower_dlion_app.config [--write]``: print the pyproject table, or rewrite both generated parts."""
     parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--write", action="store_true", help="rewrite pyproject.toml's table and GUIDE.md's")
+    parser.add_argument("--write", action="store_true", help="rewrite pyproject.toml's table and docs/APP.md's")
     if not parser.parse_args().write:
         print(pyproject_table(), end="")
         return

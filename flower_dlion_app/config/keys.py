@@ -167,7 +167,8 @@ GROUPS: dict[str, Group] = {
                 False,
                 (
                     "secure aggregation: clients upload their signs under pairwise masks, ⌈log₂(n+1)⌉ bits a "
-                    "parameter; the server learns the counts, not one client's signs (GUIDE, Secure aggregation)"
+                    "parameter; the server learns the counts, not one client's signs "
+                    "(docs/USER_GUIDE.md, Secure aggregation)"
                 ),
             ),
             "secure-degree": Key(0, "neighbours each client masks with (SecAgg+'s graph); 0: every other participant"),
@@ -239,6 +240,15 @@ GROUPS: dict[str, Group] = {
                 2, "wait for this many connected nodes before round 1 (1 for a one-node federation)"
             ),
             "min-replies": Key(1, "fewer valid replies than this: the round applies no update"),
+            "wait-for-nodes": Key(
+                120.0,
+                (
+                    "D-Lion family and global optimizers: seconds a round waits for `min-available-nodes` connected "
+                    "nodes (secure aggregation: `min-train-nodes`, at least 3, that can take part) before the run "
+                    "stops naming both counts (`summary.json` status `stopped`); 0: stop at once; raise it for a "
+                    "deployment whose SuperNodes start later"
+                ),
+            ),
             "max-failed-rounds": Key(
                 3,
                 (
@@ -246,6 +256,19 @@ GROUPS: dict[str, Group] = {
                     "many rounds in a row with fewer than `min-replies` valid replies (FedAvg family: none; replies "
                     "with non-finite arrays are dropped); 0: never"
                 ),
+            ),
+            "divergence-factor": Key(
+                10.0,
+                (
+                    "D-Lion family: f > 1; a WARNING names the round, its train loss Lₜ, the running minimum "
+                    "mₜ = min over earlier rounds, f and the nodes when Lₜ > f·mₜ for `divergence-rounds` rounds in "
+                    "a row, or when a node's train loss is not finite; `inf`: non-finite losses only"
+                ),
+            ),
+            "divergence-rounds": Key(1, "D-Lion family: R ≥ 1, the rounds in a row with Lₜ > f·mₜ before that warning"),
+            "stop-on-divergence": Key(
+                False,
+                "D-Lion family: `true` stops the run at that warning (`summary.json` status `stopped`, reason logged)",
             ),
             "eval-every": Key(20, "evaluate x on the 10,000 test images every k rounds (and at 0 and the end)"),
             "device": Key("auto", "`auto` (CUDA when available), `cpu` or `cuda` for the clients"),
@@ -382,6 +405,9 @@ _CHOICES = {
 DLION_STRATEGIES = ("dlion-vote", "dlion-mean", "signsgd-vote")
 # Keys that only the Distributed Lion family reads; their defaults turn them off.
 DLION_ONLY = (
+    "divergence-factor",
+    "divergence-rounds",
+    "stop-on-divergence",
     "max-resident",
     "max-local-batches",
     "link-mbps",

@@ -82,6 +82,9 @@ class GlobalOptimizer(ServerModelStrategy):
         stops: ``aggregate_train`` raises :class:`~flower_dlion.strategies.run_stops.RunStopped`
         naming the rounds and why the replies were rejected (the history keeps the last round);
         a round with enough valid replies resets the count. 0 never stops.
+    wait_for_nodes : float | None (default: None)
+        Seconds a round waits for ``min_available_nodes`` connected nodes before the run stops
+        naming both counts; None: the round timeout.
     sample_seed : int (default: 0)
         Seed of the partition sampling (round t samples with ``default_rng([seed, t])``).
 
@@ -113,6 +116,7 @@ class GlobalOptimizer(ServerModelStrategy):
         min_replies: int = 1,
         sample_seed: int = 0,
         max_failed_rounds: int = 3,
+        wait_for_nodes: float | None = None,
     ) -> None:
         if optimizer not in ("lion", "adamw", "sgd"):
             raise ValueError(f"optimizer must be 'lion', 'adamw' or 'sgd', got {optimizer!r}")
@@ -125,6 +129,7 @@ class GlobalOptimizer(ServerModelStrategy):
             min_replies=min_replies,
             sample_seed=sample_seed,
             max_failed_rounds=max_failed_rounds,
+            wait_for_nodes=wait_for_nodes,
         )
         check_common_args(
             lr=lr,
