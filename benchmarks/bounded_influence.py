@@ -25,8 +25,8 @@ os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 
 from flower_dlion import uploads
 from flower_dlion.strategies import aggregation
+from flower_dlion.testing import LocalGrid
 from flower_dlion_app.client_app import app
-from flower_dlion_app.local_grid import LocalGrid
 from flower_dlion_app.server_app import run_federation
 
 EF_SIGN = {

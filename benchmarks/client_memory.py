@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "resnet18-cifar10"))
 
 from flower_dlion import DistributedLion, DLionClient
-from flower_dlion_app.local_grid import LocalGrid
+from flower_dlion.testing import LocalGrid
 
 
 def rss() -> int:

@@ -32,8 +32,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from flower_dlion import DistributedLion, DLionClient
 from flower_dlion.coin_flips import CAUSES
+from flower_dlion.testing import LocalGrid
 from flower_dlion_app.data import load_fashion_mnist, partition_indices, to_tensor
-from flower_dlion_app.local_grid import LocalGrid
 from flower_dlion_app.model import Net
 
 

@@ -57,8 +57,8 @@ def _config(clients: int, mode: str, rounds: int, seed: int) -> dict:
 
 def run(clients: list[int], rounds: int, seeds: list[int], modes: list[str]) -> None:
     """Run every (clients, mode, seed) federation not yet saved."""
+    from flower_dlion.testing import LocalGrid
     from flower_dlion_app.client_app import app
-    from flower_dlion_app.local_grid import LocalGrid
     from flower_dlion_app.model import Net
     from flower_dlion_app.server_app import run_federation
 

@@ -50,8 +50,8 @@ def entropy(rounds: int) -> None:
     """Per-round Δ entropies and coder sizes of the default federation."""
     from flower_dlion import codec
     from flower_dlion.strategies import downlink_messages
+    from flower_dlion.testing import LocalGrid
     from flower_dlion_app.client_app import app
-    from flower_dlion_app.local_grid import LocalGrid
     from flower_dlion_app.server_app import run_federation
 
     kept: list[tuple[int, bytes, int]] = []

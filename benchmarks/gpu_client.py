@@ -34,9 +34,9 @@ os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 
 from flower_dlion import accel, codec, lion
 from flower_dlion.clients.placement import Crossings
+from flower_dlion.testing import LocalGrid
 from flower_dlion_app.client_app import app as client_app
 from flower_dlion_app.client_app import dlion
-from flower_dlion_app.local_grid import LocalGrid
 from flower_dlion_app.model import Net
 from flower_dlion_app.server_app import run_federation
 

@@ -56,7 +56,7 @@ from torch import nn
 
 from flower_dlion import DistributedLion, DLionClient, codec
 from flower_dlion.params import Binding, cross_entropy_loss
-from flower_dlion_app.local_grid import LocalGrid
+from flower_dlion.testing import LocalGrid
 from flower_dlion_app.text_models import CharLSTM, CharTransformer, gpt2_small, sequence_loss
 
 VOCAB = {"char-lstm": 81, "char-transformer": 81, "gpt2-small": 50257}

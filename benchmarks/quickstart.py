@@ -51,7 +51,7 @@ def main() -> None:
     from pytorchexample.client_app import app as client_app
 
     from flower_dlion.clients import dlion
-    from flower_dlion_app.local_grid import LocalGrid
+    from flower_dlion.testing import LocalGrid
     from flower_dlion_app.metering import MeteredGrid
 
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 0

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 import flower_dlion
+from flower_dlion.testing import LocalGrid
 from flower_dlion_app.client_app import app as client_app
-from flower_dlion_app.local_grid import LocalGrid
 from flower_dlion_app.server_app import run_federation
 
 CONFIGS: dict[str, dict[str, object]] = {

@@ -39,7 +39,7 @@ from resnetexample.task import Net, load_data
 from flower_dlion import DistributedLion, DLionClient
 from flower_dlion.params import Binding
 from flower_dlion.protocol import message_bytes
-from flower_dlion_app.local_grid import LocalGrid
+from flower_dlion.testing import LocalGrid
 
 Row = tuple[int, int, float, float]  # round, node's place in it (0: first), seconds, seconds of forward + backward
 

@@ -41,11 +41,12 @@ import torch
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 
 from flower_dlion import codec, lion, params
+from flower_dlion import testing as local_grid
 from flower_dlion.clients import dlion as dlion_client
 from flower_dlion.clients import state_store
 from flower_dlion.strategies import aggregation, downlink_messages
 from flower_dlion.strategies import dlion as dlion_strategy
-from flower_dlion_app import local_grid, metering, server_app
+from flower_dlion_app import metering, server_app
 from flower_dlion_app.clients import fedavg as fedavg_client
 from flower_dlion_app.clients import gradient as gradient_client
 from flower_dlion_app.strategies import global_opt

@@ -26,8 +26,8 @@ import torch
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 
+from flower_dlion.testing import LocalGrid
 from flower_dlion_app.client_app import app as client_app
-from flower_dlion_app.local_grid import LocalGrid
 from flower_dlion_app.server_app import run_federation
 
 SETTINGS = {

@@ -46,8 +46,8 @@ def federation(nodes: int, rounds: int) -> None:
     from flwr.app import ArrayRecord
 
     from flower_dlion import DistributedLion
+    from flower_dlion.testing import LocalGrid
     from flower_dlion_app.client_app import app
-    from flower_dlion_app.local_grid import LocalGrid
     from flower_dlion_app.model import Net
 
     print("dropouts | mode   | x hash           | replies/round | bits/param up | queries kB | trips/round | s/round")

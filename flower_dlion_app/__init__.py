@@ -7,6 +7,6 @@ Built on :mod:`flower_dlion` (the library a Flower user imports) and never impor
   ``results.py``, ``metering.py`` (bytes measured on the messages), ``checkpoint.py``;
 * ``clients/`` and ``strategies/``: the baselines (FedAvg's local SGD client, the gradient
   baselines, SCAFFOLD) and the fault study's attackers;
-* ``local_grid.py`` (an in-process Flower Grid), ``deploy.py`` (the Deployment Engine's
-  processes) and ``study/`` (sweeps and reports).
+* ``deploy.py`` (the Deployment Engine's processes) and ``study/`` (sweeps and reports); the
+  in-process Flower Grid its tests and studies use is the library's :mod:`flower_dlion.testing`.
 """

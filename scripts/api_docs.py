@@ -23,6 +23,7 @@ MODULES = (
     "flower_dlion.strategies.common",  # ServerModelStrategy: what DistributedLion inherits (start, sampling)
     "flower_dlion.strategies.run_loop",
     "flower_dlion.strategies.run_stops",
+    "flower_dlion.testing",  # LocalGrid: your app's tests, in process
     "flower_dlion.lion",
     "flower_dlion.codec",
     "flower_dlion.params",

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Set up flower-dlion in ./.venv: the package (editable) and, with --dev, the test tools.
+# Set up flower-dlion in ./.venv: the package (editable) with its app's dependencies ([app]) and, with
+# --dev, the language-model extras and the test tools ([dev]).
 # Where apt-get exists and we are root, also installs Debian's Fashion-MNIST package so
 # the default federation runs offline. Safe to run again: it only adds what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-extra=""
+extra="[app]"
 [ "${1:-}" = "--dev" ] && extra="[dev]"
 PY=${PYTHON:-python3}
 

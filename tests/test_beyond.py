@@ -16,9 +16,9 @@ from flower_dlion import codec, lion, quantizers
 from flower_dlion.params import layer_mask
 from flower_dlion.protocol import BROADCAST, CONFIG, METRICS, MOMENTUM, UPLOAD, checksum, message_bytes
 from flower_dlion.strategies import DistributedLion
+from flower_dlion.testing import LocalGrid
 from flower_dlion_app.client_app import app as client_app
 from flower_dlion_app.config import read_config
-from flower_dlion_app.local_grid import LocalGrid
 from flower_dlion_app.model import Net, flat_parameters, seeded_net
 from flower_dlion_app.server_app import build_strategy
 

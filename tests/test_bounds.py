@@ -13,10 +13,10 @@ from flwr.common.serde import context_to_proto
 from flower_dlion.bounds import clip_scales, median_momentum
 from flower_dlion.protocol import BROADCAST, CONFIG, MOMENTUM
 from flower_dlion.strategies import DistributedLion
+from flower_dlion.testing import LocalGrid
 from flower_dlion_app.client_app import app as client_app
 from flower_dlion_app.clients.attacks import LittleIsEnough, MomentumPoison, ScaleLie
 from flower_dlion_app.config import read_config
-from flower_dlion_app.local_grid import LocalGrid
 from flower_dlion_app.server_app import run_federation
 
 from .test_federation import RUN_CONFIG, initial_arrays

@@ -24,9 +24,9 @@ from flower_dlion.clients import state_home
 from flower_dlion.clients.state import STATE_ARRAYS, STATE_REST, ClientStateError
 from flower_dlion.clients.state_store import STATE_WHERE
 from flower_dlion.params import Entry, ModelSpec
+from flower_dlion.testing import LocalGrid
 from flower_dlion_app.client_app import app as repo_app
 from flower_dlion_app.config import read_config
-from flower_dlion_app.local_grid import LocalGrid
 from flower_dlion_app.server_app import run_federation
 
 from . import byom

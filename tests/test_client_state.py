@@ -33,7 +33,7 @@ from flower_dlion.clients.placement import Placement
 from flower_dlion.clients.state import ClientStateError, Expected, HostState, StateRefused, check_state, crc32
 from flower_dlion.clients.state_store import StateStore, save_state
 from flower_dlion.lion import anchored
-from flower_dlion_app.local_grid import LocalGrid
+from flower_dlion.testing import LocalGrid
 
 from . import byom
 from .byom import ByomNet

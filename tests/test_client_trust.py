@@ -37,7 +37,7 @@ from flower_dlion.clients.state import (
 from flower_dlion.clients.state_store import StateStore
 from flower_dlion.protocol import BROADCAST, CONFIG, HELLO, HELLO_ACTION
 from flower_dlion.round_records import RoundConfig
-from flower_dlion_app.local_grid import LocalGrid
+from flower_dlion.testing import LocalGrid
 
 from .byom import ByomNet
 from .states import load

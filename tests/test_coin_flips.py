@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 from flower_dlion import DistributedLion, DLionClient
 from flower_dlion.coin_flips import ADAPTER, FIRST_LAYER, INACTIVE, WARN_ABOVE, explain
 from flower_dlion.protocol import METRICS
-from flower_dlion_app.local_grid import LocalGrid
+from flower_dlion.testing import LocalGrid
 
 from . import byom
 

@@ -30,7 +30,7 @@ from flower_dlion.clients.resident import RESIDENT_ROUNDS, NodeState, Replica, R
 from flower_dlion.clients.state import ClientStateError
 from flower_dlion.clients.state_home import CONTEXT_BYTES, check_fits
 from flower_dlion.clients.state_store import MOVED, STATE_WHERE, StateStore
-from flower_dlion_app.local_grid import LocalGrid
+from flower_dlion.testing import LocalGrid
 
 from . import byom
 from .byom import ByomNet

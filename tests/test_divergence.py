@@ -15,8 +15,8 @@ from flower_dlion.strategies.divergence import (
     report,
     update,
 )
+from flower_dlion.testing import LocalGrid
 from flower_dlion_app.client_app import app as client_app
-from flower_dlion_app.local_grid import LocalGrid
 
 from .test_federation import RUN_CONFIG, run_rounds
 from .test_strategy import SIGNS, StubGrid, first_round, signs_reply

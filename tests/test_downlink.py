@@ -204,8 +204,8 @@ def test_anchored_partial_participation_keeps_every_replica_exact_across_anchors
 
     from flower_dlion.protocol import CONFIG
     from flower_dlion.strategies import DistributedLion
+    from flower_dlion.testing import LocalGrid
     from flower_dlion_app.client_app import app as client_app
-    from flower_dlion_app.local_grid import LocalGrid
 
     from .test_federation import LR, RUN_CONFIG, WD, initial_arrays
 
@@ -239,9 +239,9 @@ def test_in_sync_clients_get_the_packed_delta_unless_their_link_is_slow(monkeypa
     from flower_dlion.clients.link import DecodeCost
     from flower_dlion.protocol import CONFIG
     from flower_dlion.strategies import DistributedLion
+    from flower_dlion.testing import LocalGrid
     from flower_dlion_app import client_app as repository_app
     from flower_dlion_app.client_app import app as client_app
-    from flower_dlion_app.local_grid import LocalGrid
 
     from .test_federation import LR, RUN_CONFIG, WD, run_rounds
 
@@ -274,8 +274,8 @@ def test_a_corrupted_delta_is_refused_naming_node_and_round_and_the_state_kept()
 
     from flower_dlion.protocol import BROADCAST, CONFIG
     from flower_dlion.strategies import DistributedLion
+    from flower_dlion.testing import LocalGrid
     from flower_dlion_app.client_app import app as client_app
-    from flower_dlion_app.local_grid import LocalGrid
 
     from .test_federation import RUN_CONFIG, initial_arrays
 
@@ -368,8 +368,8 @@ def test_a_lost_reply_after_a_delta_is_taken_back_off_not_resynced(link: float) 
 
     from flower_dlion.protocol import CONFIG
     from flower_dlion.strategies import DistributedLion
+    from flower_dlion.testing import LocalGrid
     from flower_dlion_app.client_app import app as client_app
-    from flower_dlion_app.local_grid import LocalGrid
 
     from .test_federation import LR, RUN_CONFIG, WD, initial_arrays
 

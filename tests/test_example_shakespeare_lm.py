@@ -16,7 +16,7 @@ import pytest
 import torch
 from flwr.app import Context
 
-from flower_dlion_app.local_grid import LocalGrid
+from flower_dlion.testing import LocalGrid
 from flower_dlion_app.metering import MeteredGrid
 
 pytest.importorskip("transformers")

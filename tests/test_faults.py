@@ -23,13 +23,13 @@ from flower_dlion.clients.state_store import STATE_WHERE, save_state
 from flower_dlion.lion import anchored
 from flower_dlion.protocol import UPLOAD
 from flower_dlion.strategies import DistributedLion
+from flower_dlion.testing import LocalGrid
 from flower_dlion_app.checkpoint import check_resumable, load_checkpoint, save_checkpoint
 from flower_dlion_app.client_app import app as client_app
 from flower_dlion_app.client_app import dlion
 from flower_dlion_app.clients.common import inject_failure
 from flower_dlion_app.clients.fedavg import _attack
 from flower_dlion_app.config import read_config
-from flower_dlion_app.local_grid import LocalGrid
 from flower_dlion_app.model import Net, flat_parameters
 from flower_dlion_app.server_app import run_federation
 
@@ -340,7 +340,7 @@ RESUME_CFG = {
 KILLED_RUN = """
 import os, signal, sys, json
 from flower_dlion_app.client_app import app
-from flower_dlion_app.local_grid import LocalGrid
+from flower_dlion.testing import LocalGrid
 from flower_dlion_app.server_app import run_federation
 cfg = json.loads(sys.argv[1])
 def hook(node_id, reply):

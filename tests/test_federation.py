@@ -15,10 +15,10 @@ from flwr.app import ArrayRecord, ConfigRecord, Message
 from flower_dlion.clients.state import STATE_ARRAYS
 from flower_dlion.protocol import UPLOAD
 from flower_dlion.strategies import DistributedLion
+from flower_dlion.testing import LocalGrid
 from flower_dlion_app.client_app import app as client_app
 from flower_dlion_app.config import read_config
 from flower_dlion_app.data import load_fashion_mnist, partition_indices, sample_batch, to_tensor
-from flower_dlion_app.local_grid import LocalGrid
 from flower_dlion_app.model import Net, flat_gradient, flat_parameters
 from flower_dlion_app.server_app import run_federation
 

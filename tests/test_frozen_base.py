@@ -21,7 +21,7 @@ from flower_dlion import DistributedLion, DLionClient, params
 from flower_dlion.params import LayoutError, ModelSpec, tensor_checksum
 from flower_dlion.protocol import RejectedReply
 from flower_dlion.strategies.nodes import described_model
-from flower_dlion_app.local_grid import LocalGrid
+from flower_dlion.testing import LocalGrid
 from flower_dlion_app.metering import MeteredGrid
 
 transformers = pytest.importorskip("transformers")

@@ -23,8 +23,8 @@ from flower_dlion.clients.state_store import save_state
 from flower_dlion.lion import anchored
 from flower_dlion.protocol import BROADCAST, CONFIG
 from flower_dlion.strategies import DistributedLion
+from flower_dlion.testing import LocalGrid
 from flower_dlion_app.client_app import app as client_app
-from flower_dlion_app.local_grid import LocalGrid
 
 from .states import load
 from .test_federation import LR, RUN_CONFIG, WD, initial_arrays

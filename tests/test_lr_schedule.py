@@ -13,9 +13,9 @@ from flwr.app import ArrayRecord, ConfigRecord
 from flower_dlion import lion
 from flower_dlion.protocol import CONFIG
 from flower_dlion.strategies import DistributedLion
+from flower_dlion.testing import LocalGrid
 from flower_dlion_app.client_app import app as client_app
 from flower_dlion_app.config import read_config
-from flower_dlion_app.local_grid import LocalGrid
 from flower_dlion_app.server_app import build_strategy, run_federation, train_config
 
 from .test_strategy import SIGNS, X0, StubGrid, first_round, signs_reply

@@ -24,9 +24,9 @@ from flower_dlion.protocol import METRICS, UPLOAD
 from flower_dlion.strategies import DistributedLion
 from flower_dlion.strategies.nodes import HELLO_TYPE
 from flower_dlion.strategies.run_stops import RunStopped
+from flower_dlion.testing import LocalGrid
 from flower_dlion_app import server_app
 from flower_dlion_app.client_app import app as client_app
-from flower_dlion_app.local_grid import LocalGrid
 from flower_dlion_app.metering import Exchange, MeteredGrid
 from flower_dlion_app.results import Recorder
 from flower_dlion_app.server_app import run_federation

@@ -13,10 +13,10 @@ from flwr.app import ArrayRecord, ConfigRecord
 from flower_dlion import lion, quantizers
 from flower_dlion.protocol import CONFIG
 from flower_dlion.strategies import DistributedLion
+from flower_dlion.testing import LocalGrid
 from flower_dlion_app.client_app import app as client_app
 from flower_dlion_app.config import read_config
 from flower_dlion_app.data import load_fashion_mnist, partition_indices, sample_batch, to_tensor
-from flower_dlion_app.local_grid import LocalGrid
 from flower_dlion_app.model import Net, flat_gradient, flat_parameters, seeded_net
 from flower_dlion_app.server_app import build_strategy, run_federation, train_config
 from tests.states import load, node_at

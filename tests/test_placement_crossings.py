@@ -45,7 +45,7 @@ from flower_dlion import DistributedLion, DLionClient, codec
 from flower_dlion.clients.placement import Crossings, Placement
 from flower_dlion.clients.resident import Replica
 from flower_dlion.protocol import CONFIG, UPLOAD
-from flower_dlion_app.local_grid import LocalGrid
+from flower_dlion.testing import LocalGrid
 from flower_dlion_app.model import Net
 
 D = 281_034  # the default CNN's trainable values

@@ -31,7 +31,7 @@ from flower_dlion.clients.local_work import LocalWork
 from flower_dlion.params import Binding, cross_entropy_loss
 from flower_dlion.protocol import CONFIG
 from flower_dlion.strategies.run_loop import DLionResult, totals_line
-from flower_dlion_app.local_grid import LocalGrid
+from flower_dlion.testing import LocalGrid
 from flower_dlion_app.metering import MeteredGrid
 
 from .byom import ByomNet

@@ -28,9 +28,9 @@ from torch import nn
 from flower_dlion import DistributedLion, DLionClient
 from flower_dlion.protocol import CONTROL, HELLO_ACTION
 from flower_dlion.strategies.run_stops import FailedRounds, RunStopped, short_reason
+from flower_dlion.testing import LocalGrid
 from flower_dlion_app.client_app import app as client_app
 from flower_dlion_app.config import FEDAVG_FAMILY, read_config
-from flower_dlion_app.local_grid import LocalGrid
 from flower_dlion_app.server_app import fedavg_family, run_federation
 from flower_dlion_app.strategies.global_opt import GlobalOptimizer
 

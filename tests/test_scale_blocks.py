@@ -10,9 +10,9 @@ from flwr.app import Array, ArrayRecord, ConfigRecord
 from flower_dlion import codec, quantizers
 from flower_dlion.protocol import CONFIG, message_bytes
 from flower_dlion.strategies import DistributedLion
+from flower_dlion.testing import LocalGrid
 from flower_dlion_app.client_app import app as client_app
 from flower_dlion_app.config import read_config
-from flower_dlion_app.local_grid import LocalGrid
 from flower_dlion_app.model import Net
 from flower_dlion_app.server_app import build_strategy
 

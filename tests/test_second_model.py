@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from flower_dlion.testing import LocalGrid
 from flower_dlion_app.client_app import app as client_app
 from flower_dlion_app.config import _CHOICES, read_config
-from flower_dlion_app.local_grid import LocalGrid
 from flower_dlion_app.model import MODELS, NetBN, seeded_net
 from flower_dlion_app.server_app import run_federation
 

@@ -23,8 +23,8 @@ from flower_dlion.clients.secure_client import answer_query, check_train, mask_u
 from flower_dlion.params import ModelSpec
 from flower_dlion.protocol import SECURE, UPLOAD, ClientStateError
 from flower_dlion.secure import masking
+from flower_dlion.testing import LocalGrid
 from flower_dlion_app.client_app import app as client_app
-from flower_dlion_app.local_grid import LocalGrid
 from flower_dlion_app.model import Net
 
 RUN = {"partitioner": "iid", "batch-size": 16}

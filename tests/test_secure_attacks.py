@@ -33,8 +33,8 @@ import flower_dlion.clients.dlion as client_module
 from flower_dlion import DistributedLion
 from flower_dlion.protocol import METRICS, SECURE, UPLOAD
 from flower_dlion.secure import masking
+from flower_dlion.testing import LocalGrid
 from flower_dlion_app.client_app import app as client_app
-from flower_dlion_app.local_grid import LocalGrid
 from flower_dlion_app.model import Net
 
 RUN = {"partitioner": "iid", "batch-size": 16}

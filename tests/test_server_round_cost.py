@@ -102,8 +102,8 @@ def test_stub_nodes_get_what_every_option_built_gave(d: int, init_seed: int | No
 
 def _federation(monkeypatch: pytest.MonkeyPatch) -> tuple[list[Any], list[int], list[bool]]:
     """SCHEDULE on the real ClientApp (4 nodes, CPU): each round's wire and metrics, codings, in-sync rounds."""
+    from flower_dlion.testing import LocalGrid
     from flower_dlion_app.client_app import app as client_app
-    from flower_dlion_app.local_grid import LocalGrid
 
     from .test_federation import CPU_CONFIG, LR, WD, initial_arrays
 

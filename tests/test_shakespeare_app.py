@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
+from flower_dlion.testing import LocalGrid
 from flower_dlion_app import tasks
 from flower_dlion_app.client_app import app as client_app
 from flower_dlion_app.config import read_config
-from flower_dlion_app.local_grid import LocalGrid
 from flower_dlion_app.server_app import run_federation
 from flower_dlion_app.shakespeare import OOV, SEQ_LEN, batch, load_shakespeare, partitions
 

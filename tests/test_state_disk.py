@@ -29,7 +29,7 @@ from flower_dlion import DistributedLion, DLionClient, RunStopped
 from flower_dlion.clients import state_store
 from flower_dlion.protocol import NOTICE, RejectedReply, WriteFailure, check_envelope
 from flower_dlion.strategies.run_loop import short_rounds, short_text, totals_line
-from flower_dlion_app.local_grid import LocalGrid
+from flower_dlion.testing import LocalGrid
 
 from . import byom
 from .byom import ByomNet

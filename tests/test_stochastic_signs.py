@@ -13,8 +13,8 @@ from flwr.app import ArrayRecord
 from flower_dlion import DistributedLion, lion, quantizers, stochastic
 from flower_dlion.protocol import ClientStateError
 from flower_dlion.round_records import RoundConfig
+from flower_dlion.testing import LocalGrid
 from flower_dlion_app.client_app import app as client_app
-from flower_dlion_app.local_grid import LocalGrid
 from flower_dlion_app.model import Net
 
 

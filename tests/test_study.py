@@ -13,10 +13,10 @@ from flwr.serverapp.strategy import FedAvg
 from flower_dlion.protocol import HELLO
 from flower_dlion.strategies import DistributedLion
 from flower_dlion.strategies.nodes import HELLO_TYPE
+from flower_dlion.testing import LocalGrid
 from flower_dlion_app.client_app import app as client_app
 from flower_dlion_app.config import FEDAVG_FAMILY, STRATEGIES
 from flower_dlion_app.data import load_fashion_mnist, partition_indices, to_tensor
-from flower_dlion_app.local_grid import LocalGrid
 from flower_dlion_app.metering import MeteredGrid
 from flower_dlion_app.model import Net
 from flower_dlion_app.server_app import run_federation, train_config

@@ -17,7 +17,7 @@ from torch import nn
 from flower_dlion import DistributedLion, DLionClient
 from flower_dlion.lion import lion_step_
 from flower_dlion.params import Binding, ModelSpec, cross_entropy_loss
-from flower_dlion_app.local_grid import LocalGrid
+from flower_dlion.testing import LocalGrid
 from flower_dlion_app.text_models import (
     TEXT_MODELS,
     CharLSTM,

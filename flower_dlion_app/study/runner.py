@@ -151,8 +151,8 @@ def run_cell(cell: Cell, out: Path) -> dict[str, Any]:
 
 def _run_cell(cell: Cell, out: Path) -> dict[str, Any]:
     from flower_dlion.strategies.run_stops import RunStopped
+    from flower_dlion.testing import LocalGrid
     from flower_dlion_app.client_app import app as client_app
-    from flower_dlion_app.local_grid import LocalGrid
     from flower_dlion_app.server_app import run_federation
     from flower_dlion_app.study.outputs import round_rows, write_rounds_csv
 

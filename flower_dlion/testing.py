@@ -1,4 +1,14 @@
-"""A Flower ``Grid`` that runs a ``ClientApp`` in this process, for tests and quick studies.
+"""Test your Flower app in process: :class:`LocalGrid`, a ``Grid`` that runs a ``ClientApp``'s nodes here.
+
+A strategy runs on it as on Flower's own grids, e.g. in a pytest test of your app::
+
+    from flower_dlion import DistributedLion
+    from flower_dlion.testing import LocalGrid
+
+    grid = LocalGrid(client_app, 3)  # your ClientApp; nodes get partition-id 0, 1, 2
+    strategy = DistributedLion(lr=1e-3)
+    result = strategy.start(grid, ArrayRecord(Net().state_dict()), num_rounds=3)
+    assert [h["num-replies"] for h in strategy.history] == [3, 3, 3]
 
 Every message and every node's ``Context`` goes through Flower's protobuf serialization
 on each hop, as on a real SuperLink, so what works here works on the wire; but there
