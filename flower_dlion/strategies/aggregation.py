@@ -4,9 +4,8 @@
 read-only view of its model (``DistributedLion.up``); ``DistributedLion.aggregate_train``
 calls it in this order:
 
-1. ``check_reply``: one reply's envelope, arrays (kinds, sizes, finite floats), metrics, and
-   the replica's version and checksum; a bad reply raises ``RejectedReply`` (``on_rejected``
-   then decides whether its node needs the full model next time).
+1. ``check_replies``: each reply's envelope, arrays, metrics, replica version and checksum
+   (``check_reply``); for a refused one ``on_rejected`` decides whether its node needs the full model.
 2. ``aggregate_replies``: Δ of the valid uploads as levels with their broadcast bytes, by the one
    function :func:`flower_dlion.server_delta.choose_aggregator` picked for the options (the math:
    ``lion.aggregate``; for packed 1-bit signs its twin ``codec.aggregate_packed``). Nothing here
@@ -53,8 +52,8 @@ from ..protocol import (
 from ..secure import masking
 from ..server_delta import Aggregator, choose_aggregator, counts_delta
 from ..uploads import Parsed, Shape, upload_kind
-from .common import CheckedReplies
 from .options import OptionAttribute, Options
+from .replies import SECOND_REPLY, CheckedReplies, Reply
 from .run_stops import RunStopped
 from .server_state import Broadcast, Round, ServerState, Unmasked, ValidReply
 from .state_writes import Reported, StateWrites, note
@@ -175,6 +174,20 @@ class Uplink:
         if rnd.buffer_sync:
             assert self.model.spec is not None
             out["buffers"] = ("numpy.ndarray", "float32", 4 * self.model.spec.num_buffer_values)
+        return out
+
+    def check_replies(self, replies: list[Reply], rnd: Round, counts: RoundCounts) -> CheckedReplies[ValidReply]:
+        """Each reply checked (:meth:`check_reply`): the valid ones parsed, the refused with why; see on_rejected."""
+        out: CheckedReplies[ValidReply] = CheckedReplies()
+        for reply in replies:
+            out.answered.add(reply.node_id)
+            try:
+                if reply.again:
+                    raise RejectedReply(SECOND_REPLY)
+                out.valid.append(self.check_reply(reply.msg, rnd))
+            except RejectedReply as err:
+                self.on_rejected(reply.msg, reply.node_id, reply.partition, err, reply.again, rnd, counts)
+                out.refused.append((reply, err))
         return out
 
     def check_reply(self, msg: Message, rnd: Round) -> ValidReply:

@@ -24,7 +24,7 @@ from flwr.supercore import log
 from ..params import ModelSpec
 from ..protocol import RejectedReply, error_text, to_array
 from .nodes import Nodes
-from .replies import CheckedReplies, check_replies
+from .replies import CheckedReplies, check_each, log_refused, sort_replies
 from .run_loop import DLionResult, run_rounds, run_totals
 from .run_stops import FailedRounds
 
@@ -230,21 +230,16 @@ class ServerModelStrategy(Strategy):
         return self.nodes.partition_of(node_id)
 
     def _check_and_log_replies(
-        self,
-        server_round: int,
-        replies: Iterable[Message],
-        check: Callable[[Message], R],
-        on_rejected: Callable[[Message, int, int, RejectedReply, bool], None] | None = None,
+        self, server_round: int, replies: Iterable[Message], check: Callable[[Message], R]
     ) -> CheckedReplies[R]:
-        """Validate each reply with ``check``; log and count the ones it refuses (:func:`.replies.check_replies`).
+        """The three steps of :mod:`.replies` with ``check(msg)`` (the parsed reply, or RejectedReply).
 
-        ``check(msg)`` returns the parsed reply or raises :class:`RejectedReply`. For a refused
-        reply, ``on_rejected(msg, node_id, partition, error, again)`` is called before the node is
-        marked as answered; ``again`` is true for the node's second reply of the round. A node
+        For a strategy whose check is one function; each refusal is logged and counted, a node
         whose reply has the wrong layout is left out of sampling until it says hello again.
         """
-        return check_replies(server_round, replies, check, on_rejected,
-                             nodes=self.nodes, failures=self._failures, outbox=self._outbox)  # fmt: skip
+        checked = check_each(sort_replies(replies, self._outbox, self.nodes), check)
+        log_refused(server_round, checked, nodes=self.nodes, failures=self._failures, outbox=self._outbox)
+        return checked
 
     def _round_outcome(self, server_round: int, valid: int, why: str) -> None:
         """Count the round as failed (fewer than ``min_replies`` valid replies) or reset the count.

@@ -34,6 +34,7 @@ from .common import ServerModelStrategy
 from .downlink_messages import Downlink
 from .nodes import described_model
 from .options import OptionAttribute, Options
+from .replies import log_refused, sort_replies
 from .secure_rounds import SecureRounds
 from .server_state import Broadcast, Round, ServerState
 from .views import ModelView, NodeView
@@ -389,12 +390,8 @@ class DistributedLion(ServerModelStrategy):
         if rnd is None or rnd.server_round != server_round or self.x is None:
             raise RuntimeError(f"aggregate_train({server_round}) without configure_train for that round")
         replies, counts = list(replies), self._counts
-        checked = self._check_and_log_replies(
-            server_round,
-            replies,
-            lambda msg: self.up.check_reply(msg, rnd),
-            lambda msg, node_id, pid, err, again: self.up.on_rejected(msg, node_id, pid, err, again, rnd, counts),
-        )
+        checked = self.up.check_replies(sort_replies(replies, self._outbox, self.nodes), rnd, counts)
+        log_refused(server_round, checked, nodes=self.nodes, failures=self._failures, outbox=self._outbox)
         valid = sorted(checked.valid, key=lambda r: r.node_id)  # a fixed order: float sums are reproducible
         self.down.confirm(valid, rnd)
         outcome, unmasked, d = None, None, self.num_parameters
