@@ -24,7 +24,7 @@ import torch
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 
 from flower_dlion import uploads
-from flower_dlion.strategies import aggregation
+from flower_dlion.strategies import uplink
 from flower_dlion.testing import LocalGrid
 from flower_dlion_app.client_app import app
 from flower_dlion_app.server_app import run_federation
@@ -68,7 +68,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
-    bounded = (uploads.clip_scales, aggregation.median_momentum)  # where the server's code looks them up
+    bounded = (uploads.clip_scales, uplink.median_momentum)  # where the server's code looks them up
     unbounded = (lambda s: (s, 0), lambda momenta: torch.stack(list(momenta)).mean(0))
     print(f"# 8 clients, Dirichlet 0.5, {args.rounds} rounds, seeds {args.seeds}; final test accuracy")
     print("| attacker (1 of 8) | bounds off (before) | bounds on |")
@@ -76,7 +76,7 @@ def main() -> None:
     for label, attack in ATTACKS:
         row = []
         for rules in (unbounded, bounded):
-            uploads.clip_scales, aggregation.median_momentum = rules
+            uploads.clip_scales, uplink.median_momentum = rules
             accs = [
                 final_accuracy({**EF_SIGN, **attack, "seed": s, "num-server-rounds": args.rounds, "eval-every": 10})
                 for s in seeds

@@ -179,7 +179,7 @@ def speed(d: int) -> None:
     print()
     print(
         "A Δ as its packed levels (issue 48): C' = C + L and x' = γ·xₐ − η·C' in one step on the CPU "
-        f"(`downlink.step_counts`), median of 5: {packed * 1e3:.1f} ms, against the context decode above "
+        f"(`anchored_counts.step_counts`), median of 5: {packed * 1e3:.1f} ms, against the context decode above "
         "(its decode alone; the counts and x come on top)."
     )
 
@@ -190,7 +190,7 @@ def packed_step(signs: np.ndarray, d: int) -> float:
 
     import torch
 
-    from flower_dlion import codec, downlink
+    from flower_dlion import anchored_counts, codec
 
     packed = codec.encode_levels(torch.from_numpy(signs + 1), 3)
     anchor, counts = torch.randn(d), torch.zeros(d, dtype=torch.int32)
@@ -198,7 +198,7 @@ def packed_step(signs: np.ndarray, d: int) -> float:
     times = []
     for _ in range(6):
         t0 = time.perf_counter()
-        downlink.step_counts(anchor, counts, packed, 3, 0.999, 1e-3, out=out, scratch=torch.empty_like(anchor))
+        anchored_counts.step_counts(anchor, counts, packed, 3, 0.999, 1e-3, out=out, scratch=torch.empty_like(anchor))
         times.append(time.perf_counter() - t0)
     return float(np.median(times[1:]))
 

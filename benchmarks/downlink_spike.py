@@ -49,24 +49,24 @@ def _conditional(context: np.ndarray, k: np.ndarray, num_contexts: int) -> float
 def entropy(rounds: int) -> None:
     """Per-round Δ entropies and coder sizes of the default federation."""
     from flower_dlion import codec
-    from flower_dlion.strategies import downlink_messages
+    from flower_dlion.strategies import downlink as server_downlink
     from flower_dlion.testing import LocalGrid
     from flower_dlion_app.client_app import app
     from flower_dlion_app.server_app import run_federation
 
     kept: list[tuple[int, bytes, int]] = []
-    remember = downlink_messages.Downlink.remember
+    remember = server_downlink.Downlink.remember
 
-    def spy(self: downlink_messages.Downlink, broadcast: downlink_messages.Broadcast) -> None:
+    def spy(self: server_downlink.Downlink, broadcast: server_downlink.Broadcast) -> None:
         kept.append((broadcast.num_levels, broadcast.payload, self.model.num_parameters))
         remember(self, broadcast)
 
-    downlink_messages.Downlink.remember = spy  # type: ignore[method-assign]
+    server_downlink.Downlink.remember = spy  # type: ignore[method-assign]
     cfg = {"num-server-rounds": rounds, "init": "seed", "eval-every": rounds}
     with tempfile.TemporaryDirectory() as out:
         cfg["results-dir"] = out
         run_federation(LocalGrid(app, 10, run_config=cfg), cfg, save_model=False)
-    downlink_messages.Downlink.remember = remember  # type: ignore[method-assign]
+    server_downlink.Downlink.remember = remember  # type: ignore[method-assign]
 
     coders = {"zlib-9": lambda b: zlib.compress(b, 9), "lzma": lzma.compress, "bz2": bz2.compress}
     if importlib.util.find_spec("zstandard"):

@@ -6,7 +6,7 @@ Runs ``benchmarks/resnet18_round.py``'s federation (the example's model and clie
 DLionClient, the in-process grid, every message serialized) and times, inside it, what a node
 does to check a train message (:mod:`flower_dlion.clients.integrity`: the CRC-32 of each part
 of the payload, each segment's range, x against the server's ``x-checksum``), and what the
-server does to send the parts' CRC-32s (``downlink_messages.payload_crc``). The ratio is the
+server does to send the parts' CRC-32s (``server_downlink.payload_crc``). The ratio is the
 checks' time over the client's whole round (message in → reply out), rounds 2… only.
 """
 
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import resnet18_round
 
 from flower_dlion.clients import replica
-from flower_dlion.strategies import downlink_messages
+from flower_dlion.strategies import downlink as server_downlink
 
 SPENT: dict[str, list[tuple[int, float]]] = {"client": [], "server": []}  # (server round, seconds)
 ROUND = [0]
@@ -57,14 +57,14 @@ def main() -> None:
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 0
     for name in ("check_part", "check_segment", "verified"):
         _timed(replica, name, "client")
-    _timed(downlink_messages, "payload_crc", "server")
-    configure = downlink_messages.Downlink.message_for
+    _timed(server_downlink, "payload_crc", "server")
+    configure = server_downlink.Downlink.message_for
 
     def message_for(self: Any, node_id: int, server_round: int, *rest: Any, **kwargs: Any) -> Any:
         ROUND[0] = server_round
         return configure(self, node_id, server_round, *rest, **kwargs)
 
-    downlink_messages.Downlink.message_for = message_for  # type: ignore[method-assign]
+    server_downlink.Downlink.message_for = message_for  # type: ignore[method-assign]
     torch.manual_seed(0)
     rows, strategy = resnet18_round.dlion_rounds(args.rounds, args.nodes, args.batch_size)
     later = {r for r, *_ in rows}

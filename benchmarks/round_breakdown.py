@@ -44,8 +44,9 @@ from flower_dlion import codec, lion, params
 from flower_dlion import testing as local_grid
 from flower_dlion.clients import dlion as dlion_client
 from flower_dlion.clients import state_store
-from flower_dlion.strategies import aggregation, downlink_messages
 from flower_dlion.strategies import dlion as dlion_strategy
+from flower_dlion.strategies import downlink as server_downlink
+from flower_dlion.strategies import uplink
 from flower_dlion_app import metering, server_app
 from flower_dlion_app.clients import fedavg as fedavg_client
 from flower_dlion_app.clients import gradient as gradient_client
@@ -95,7 +96,7 @@ def instrument() -> None:
     for name in ("context_to_proto", "context_from_proto"):
         patch(local_grid, name, "client state (de)serialization")
     patch(local_grid, "_roundtrip", "message (de)serialization")
-    for mod in (downlink_messages, aggregation, metering):
+    for mod in (server_downlink, uplink, metering):
         patch(mod, "message_bytes", "byte measurement")
     for cls in (dlion_strategy.DistributedLion, global_opt.GlobalOptimizer):
         patch(cls, "configure_train", "server strategy")

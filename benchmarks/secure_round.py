@@ -37,7 +37,7 @@ from flwr.app import Message
 
 from flower_dlion import codec
 from flower_dlion.secure import masking
-from flower_dlion.server_delta import counts_delta
+from flower_dlion.strategies.server_delta import counts_delta
 from flower_dlion.uploads import Shape
 
 

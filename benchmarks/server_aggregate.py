@@ -53,7 +53,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 from flwr.serverapp.strategy import FedAvg
 from flwr.supercore.task_identity import TaskIdentity
 
-from flower_dlion.protocol import CONFIG, HELLO, METRICS, UPLOAD, checksum
+from flower_dlion.protocol import CLIENT_UPLOAD, CONFIG, HELLO, METRICS, checksum
 from flower_dlion.strategies import DistributedLion
 
 
@@ -117,7 +117,10 @@ def dlion_rounds(d: int, n: int, aggregation: str, seed: int, package: ModuleTyp
         for i, msg in enumerate(sent):
             values = {"num-examples": 64, "train-loss": 1.0, "version": msg.content[CONFIG]["version"]}
             signs = Array(dtype="bit", shape=(d,), stype="dlion.sign1", data=payloads[(i + t) % (n + 1)])
-            content = {UPLOAD: ArrayRecord({"signs": signs}), METRICS: MetricRecord({**values, "checksum": replica})}
+            content = {
+                CLIENT_UPLOAD: ArrayRecord({"signs": signs}),
+                METRICS: MetricRecord({**values, "checksum": replica}),
+            }
             replies.append(Message(RecordDict(content), reply_to=msg))
         start_aggregate = time.perf_counter()
         arrays[0], metrics = strategy.aggregate_train(t, replies)
@@ -193,7 +196,7 @@ def profile_vote(d: int, n: int, repeat: int) -> None:
     stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
     cumulative = {f"{Path(file).name}:{name}": entry[3] for (file, _, name), entry in stats.items()}
     total = cumulative["dlion.py:aggregate_train"]
-    parts = ["protocol.py:message_bytes", "aggregation.py:check_reply", "votes.py:aggregate_packed"]
+    parts = ["protocol.py:message_bytes", "uplink.py:check_reply", "votes.py:aggregate_packed"]
     parts += ["quantizers.py:apply_delta_", "downlink.py:apply_levels", "common.py:arrays"]
     inner = ["votes.py:count_planes", "votes.py:majority_masks", "levels.py:_levels_from_planes"]
     inner += ["levels.py:encode_levels", "votes.py:_popcount"]

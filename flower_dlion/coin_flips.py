@@ -15,7 +15,7 @@ gradient has been 0 in every step so far (its momentum is still 0). A client who
   (3) otherwise, e.g. whole output rows: units whose activation is 0 on every example so far
   (ReLU units that never fired).
 
-The server (:meth:`flower_dlion.strategies.aggregation.Uplink.round_metrics`) warns once per run
+The server (:meth:`flower_dlion.strategies.uplink.Uplink.round_metrics`) warns once per run
 when the round's fraction exceeds :data:`WARN_ABOVE`, naming the tensor and the cause.
 Imports torch only.
 """

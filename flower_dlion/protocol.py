@@ -9,7 +9,7 @@ Server → client (``train``)::
                                    local-steps, accumulate, upload,
                                    [local-lr, local-weight-decay], [init-seed, init-checksum],
                                    [momentum-sync, momentum-sync-layers], [buffers]
-    "dlion.update"   ArrayRecord   (``BROADCAST``) one Array "payload": the full x (float32) for kind "full",
+    "dlion.update"   ArrayRecord   (``SERVER_UPDATE``) one Array "payload": the full x (float32) for kind "full",
                                    the encoded Δs back to back (stype "dlion.levels") for "deltas"
     "dlion.momentum" ArrayRecord   (after a momentum-sync round) Array "m": the combined (median)
                                    momentum of the synchronized layers, float32
@@ -50,7 +50,7 @@ The ``train_config`` a ServerApp passes to ``start`` reaches the client as Flowe
 
 Client → server::
 
-    "dlion.delta"    ArrayRecord   (``UPLOAD``) upload "sign" / "ef-sign": Array "signs", dtype "bit",
+    "dlion.delta"    ArrayRecord   (``CLIENT_UPLOAD``) upload "sign" / "ef-sign": Array "signs", dtype "bit",
                                    shape (d,), stype "dlion.sign1", ⌈d/8⌉ bytes;
                                    upload "sum": Array "levels", dtype "level", shape (d,),
                                    stype "dlion.levels", the 2K+1 levels of U + K;
@@ -106,8 +106,8 @@ from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, 
 from .params import state_checksum
 
 __all__ = [
-    "BROADCAST",
     "CLIENT_STATE_ERROR",
+    "CLIENT_UPLOAD",
     "CODED_STYPE",
     "CONFIG",
     "CONTROL",
@@ -128,10 +128,10 @@ __all__ = [
     "REST",
     "SECURE",
     "SEED_MISMATCH",
+    "SERVER_UPDATE",
     "SIGN_STYPE",
     "STATE_KEY",
     "TERNGRAD_STYPE",
-    "UPLOAD",
     "USER_CONFIG",
     "ClientStateError",
     "RejectedReply",
@@ -149,8 +149,8 @@ __all__ = [
 ]
 
 CONFIG = "dlion.config"
-BROADCAST = "dlion.update"  # server → client: Δ, the broadcast update (or the full model); wire name kept
-UPLOAD = "dlion.delta"  # client → server: δ, the client's packed signs; wire name kept
+SERVER_UPDATE = "dlion.update"  # server → client: Δ, the broadcast update (or the full model); wire name kept
+CLIENT_UPLOAD = "dlion.delta"  # client → server: δ, the client's packed signs; wire name kept
 METRICS = "dlion.metrics"
 NOTICE = "dlion.notice"  # client → server, optional in a reply: a state write that failed (WriteFailure)
 MOMENTUM = "dlion.momentum"

@@ -3,7 +3,7 @@
 Each kind is used by the client (:meth:`Upload.encode`) and by the strategy
 (:meth:`Upload.expected`, :meth:`Upload.parse`, :meth:`Upload.total`) alike, so the two
 sides cannot disagree on the format. What S becomes (Δ's levels) is not decided here:
-:mod:`flower_dlion.server_delta` does it, in one place for every kind.
+:mod:`flower_dlion.strategies.server_delta` does it, in one place for every kind.
 
 =============  ======================================  ============================  ===========================
 kind           what a client sends                     bytes for d parameters        S = Σᵢ Uᵢ on the server

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from flower_dlion import DistributedLion, codec, lion, quantizers
-from flower_dlion.server_delta import (
+from flower_dlion.strategies.server_delta import (
     RoundDelta,
     aggregate_replies,
     choose_aggregator,

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from flower_dlion import codec, lion, quantizers
 from flower_dlion.params import layer_mask
-from flower_dlion.protocol import BROADCAST, CONFIG, METRICS, MOMENTUM, UPLOAD, checksum, message_bytes
+from flower_dlion.protocol import CLIENT_UPLOAD, CONFIG, METRICS, MOMENTUM, SERVER_UPDATE, checksum, message_bytes
 from flower_dlion.strategies import DistributedLion
 from flower_dlion.testing import LocalGrid
 from flower_dlion_app.client_app import app as client_app
@@ -144,14 +144,15 @@ def levels_reply(instruction: Message, levels: list[int], num_levels: int) -> Me
     array = Array(dtype="level", shape=(len(levels),), stype="dlion.levels", data=data)
     metrics = {"num-examples": 32, "train-loss": 1.0, "version": cfg["version"], "checksum": checksum(torch.tensor(X0))}
     return Message(
-        RecordDict({UPLOAD: ArrayRecord({"levels": array}), METRICS: MetricRecord(metrics)}), reply_to=instruction
+        RecordDict({CLIENT_UPLOAD: ArrayRecord({"levels": array}), METRICS: MetricRecord(metrics)}),
+        reply_to=instruction,
     )
 
 
 def with_arrays(instruction: Message, reply: Message, **arrays: Array) -> Message:
     """A reply to ``instruction`` with the content of ``reply`` plus more Arrays in its delta record."""
-    record = ArrayRecord({**dict(reply.content[UPLOAD].items()), **arrays})
-    return Message(RecordDict({UPLOAD: record, METRICS: reply.content[METRICS]}), reply_to=instruction)
+    record = ArrayRecord({**dict(reply.content[CLIENT_UPLOAD].items()), **arrays})
+    return Message(RecordDict({CLIENT_UPLOAD: record, METRICS: reply.content[METRICS]}), reply_to=instruction)
 
 
 def test_integer_sum_upload_with_mean_applies_the_mean_of_the_sums() -> None:
@@ -181,9 +182,9 @@ def test_integer_sum_reply_with_a_level_out_of_range_is_rejected(caplog: pytest.
     sent = first_round(strategy, [1, 2])
     x_before = strategy.x.clone()
     bad = levels_reply(sent[1], [0] * 10, 5)
-    data = bytearray(bad.content[UPLOAD]["levels"].data)
+    data = bytearray(bad.content[CLIENT_UPLOAD]["levels"].data)
     data[0] = data[4] = 0xFF  # bit planes 0 and 2 of values 0…7: level 5
-    bad.content[UPLOAD]["levels"].data = bytes(data)
+    bad.content[CLIENT_UPLOAD]["levels"].data = bytes(data)
     caplog.set_level(logging.WARNING, logger="flwr")
     # Execute
     _, metrics = strategy.aggregate_train(1, [bad, levels_reply(sent[2], [2] * 10, 5)])
@@ -280,7 +281,7 @@ def test_init_seed_sends_the_seed_instead_of_the_model_and_falls_back_on_mismatc
         and cfg["init-seed"] == 5
         and cfg["init-checksum"] == checksum(torch.tensor(X0))
     )
-    assert BROADCAST not in sent[1].content
+    assert SERVER_UPDATE not in sent[1].content
     assert message_bytes(sent[1]) < message_bytes(full_msgs[1]) - 39  # 40 B of float32 model gone
     # Execute: node 2's x₀ does not match (its client raised); node 1 is fine
     error = Message(

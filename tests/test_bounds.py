@@ -11,7 +11,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message
 from flwr.common.serde import context_to_proto
 
 from flower_dlion.bounds import clip_scales, median_momentum
-from flower_dlion.protocol import BROADCAST, CONFIG, MOMENTUM
+from flower_dlion.protocol import CONFIG, MOMENTUM, SERVER_UPDATE
 from flower_dlion.strategies import DistributedLion
 from flower_dlion.testing import LocalGrid
 from flower_dlion_app.client_app import app as client_app
@@ -124,7 +124,7 @@ def _scales(msg: Message, value: float) -> None:
 
 
 def _levels(msg: Message) -> None:
-    arr = msg.content[BROADCAST]["payload"]
+    arr = msg.content[SERVER_UPDATE]["payload"]
     arr.data = b"\xff" * len(arr.data)  # 5 trits per byte hold 0…242: 255 is no level
 
 
@@ -147,7 +147,7 @@ def _segment(key: str, value: float) -> Callable[[Message], None]:
 
 def _trits_broken(msg: Message) -> None:
     assert msg.content[CONFIG]["segment-levels"] == [3]  # one Δ, as packed trits
-    arr = msg.content[BROADCAST]["counts"]
+    arr = msg.content[SERVER_UPDATE]["counts"]
     arr.data = arr.data[:30] + bytes([255]) + arr.data[31:]  # 5 trits a byte hold 0…242
 
 
@@ -214,9 +214,9 @@ def test_a_server_message_out_of_range_is_refused_and_the_state_is_kept(tamper, 
 def test_a_full_model_with_a_nan_is_refused() -> None:
     # Prepare: node 1000 lost its state, so round 3 sends it the full model; one value is nan
     def tamper(msg: Message) -> None:
-        x = msg.content[BROADCAST]["payload"].numpy().copy()
+        x = msg.content[SERVER_UPDATE]["payload"].numpy().copy()
         x[7] = math.nan
-        msg.content[BROADCAST] = ArrayRecord({"payload": Array(x)})
+        msg.content[SERVER_UPDATE] = ArrayRecord({"payload": Array(x)})
 
     grid = LocalGrid(client_app, 2, run_config={**RUN_CONFIG, "device": "cpu"})
     strategy = DistributedLion(lr=0.01)

@@ -27,7 +27,7 @@ from flwr.clientapp import ClientApp
 from torch.utils.data import DataLoader
 
 import flower_dlion
-from flower_dlion import DistributedLion, DLionClient, accel, codec, downlink, entropy
+from flower_dlion import DistributedLion, DLionClient, accel, anchored_counts, codec, entropy
 from flower_dlion.clients.link import REPROBE, ContextChoice, DecodeCost
 from flower_dlion.clients.placement import Placement
 from flower_dlion.clients.state import ClientStateError, Expected, HostState, StateRefused, check_state, crc32
@@ -421,11 +421,13 @@ def test_one_packed_delta_gives_the_anchored_form_bit_for_bit(
     counts = torch.randint(-50, 50, (d,), generator=g, dtype=torch.int32)
     levels = torch.randint(0, num_levels, (d,), generator=g, dtype=torch.int32)
     packed = codec.encode_levels(levels, num_levels)
-    signs = downlink.levels_to_signs(levels, num_levels)
+    signs = anchored_counts.levels_to_signs(levels, num_levels)
     # Execute: fresh outputs, and into buffers (the client's recycled ones)
-    got = downlink.step_counts(anchor, counts, packed, num_levels, 0.9973, 3e-4)
+    got = anchored_counts.step_counts(anchor, counts, packed, num_levels, 0.9973, 3e-4)
     buffers = (torch.full((d,), 7, dtype=torch.int32), torch.full((d,), 7.0))
-    into = downlink.step_counts(anchor, counts, packed, num_levels, 0.9973, 3e-4, out=buffers, scratch=torch.empty(d))
+    into = anchored_counts.step_counts(
+        anchor, counts, packed, num_levels, 0.9973, 3e-4, out=buffers, scratch=torch.empty(d)
+    )
     # Assert: C + L and lion.anchored of it, the same bits; the inputs untouched
     want = anchored(anchor, counts + signs, 0.9973, 3e-4)
     for c, x in (got, into):
@@ -435,17 +437,17 @@ def test_one_packed_delta_gives_the_anchored_form_bit_for_bit(
     bad[3] = 250
     if num_levels == 3:
         with pytest.raises(ValueError, match="trit5 byte above 242"):
-            downlink.step_counts(anchor, counts, bad, 3, 0.9973, 3e-4)
+            anchored_counts.step_counts(anchor, counts, bad, 3, 0.9973, 3e-4)
 
 
 def test_a_single_delta_segment_is_the_packed_delta_and_applies_like_its_code() -> None:
     # Prepare: a server history of 4 rounds
     d, ends = 3000, entropy.blocks_of([1000, 2000])
-    h = downlink.AnchoredHistory(torch.linspace(-1, 1, d), 0.995, 0.01, 100, ends, 1 << 30)
+    h = anchored_counts.AnchoredHistory(torch.linspace(-1, 1, d), 0.995, 0.01, 100, ends, 1 << 30)
     for t in range(4):
         levels = torch.randint(0, 3, (d,), generator=torch.Generator().manual_seed(t), dtype=torch.int32)
         h.apply_levels(levels, 3, codec.encode_levels(levels, 3).numpy().tobytes())
-    replica = downlink.Replica(h.anchor.clone(), 0, torch.from_numpy(h.counts_at(3)), 3)
+    replica = anchored_counts.Replica(h.anchor.clone(), 0, torch.from_numpy(h.counts_at(3)), 3)
     # Execute
     (packed,) = h.segments(3)
     coded = h._segment(h.counts.numpy() - h.counts_at(3), h.epoch, 4, False, False, since=2)  # as if two Δs
@@ -453,7 +455,7 @@ def test_a_single_delta_segment_is_the_packed_delta_and_applies_like_its_code() 
     assert packed.levels == 3 and packed.payload == h.deltas[4][1] and len(packed.payload) == (d + 4) // 5
     assert coded.levels == 0
     for seg in (packed, coded):
-        _, x = downlink.apply_segments(replica, [seg], ends, 100)
+        _, x = anchored_counts.apply_segments(replica, [seg], ends, 100)
         assert x.numpy().tobytes() == h.x().numpy().tobytes()
 
 

@@ -35,7 +35,7 @@ from flower_dlion.clients.state import (
     write_state_file,
 )
 from flower_dlion.clients.state_store import StateStore
-from flower_dlion.protocol import BROADCAST, CONFIG, HELLO, HELLO_ACTION
+from flower_dlion.protocol import CONFIG, HELLO, HELLO_ACTION, SERVER_UPDATE
 from flower_dlion.round_records import RoundConfig
 from flower_dlion.testing import LocalGrid
 
@@ -213,7 +213,7 @@ def test_a_round_asking_for_more_local_work_than_the_client_allows_is_refused() 
             lambda msg: msg.content[CONFIG].__setitem__("local-steps", 10**9),
             "the server's round 3 config asks for local-steps × accumulate = 1000000000 × 1",
         ),
-        (lambda msg: msg.content[BROADCAST].__delitem__("counts"), "an anchored message without its counts"),
+        (lambda msg: msg.content[SERVER_UPDATE].__delitem__("counts"), "an anchored message without its counts"),
         (
             lambda msg: msg.content[CONFIG].__delitem__("kind"),
             "the server's round 3 message is malformed (KeyError: 'kind')",
@@ -251,7 +251,7 @@ def test_a_full_model_without_its_payload_is_refused_by_name() -> None:
     strategy = DistributedLion(lr=1e-3)
     msgs = list(strategy.configure_train(1, ArrayRecord(ByomNet().state_dict()), ConfigRecord(), grid))
     target = next(m for m in msgs if m.metadata.dst_node_id == 1000)
-    del target.content[BROADCAST]["payload"]
+    del target.content[SERVER_UPDATE]["payload"]
     # Execute
     replies = {r.metadata.src_node_id: r for r in grid.send_and_receive(msgs)}
     # Assert

@@ -1177,7 +1177,7 @@ def test_codec_lion_quantizers_and_downlink_import_no_flwr() -> None:
     import sys
 
     modules = "flower_dlion.codec, flower_dlion.lion, flower_dlion.quantizers"
-    modules += ", flower_dlion.downlink, flower_dlion.entropy"
+    modules += ", flower_dlion.anchored_counts, flower_dlion.entropy"
     modules += ", flower_dlion.accel, flower_dlion.accel.threads, flower_dlion.accel.probes"
     modules += ", flower_dlion.accel.cpu, flower_dlion.accel.numba_team" * HAVE_NUMBA
     modules += ", flower_dlion.accel.gpu" * HAVE_TRITON

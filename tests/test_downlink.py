@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flower_dlion import codec, entropy
-from flower_dlion.downlink import AnchoredHistory, Replica, apply_segments, context_of, levels_to_signs
+from flower_dlion.anchored_counts import AnchoredForm, AnchoredHistory, apply_segments, context_of, levels_to_signs
 from flower_dlion.lion import anchored
 
 from .states import load
@@ -31,8 +31,8 @@ def _round(history: AnchoredHistory, t: int) -> torch.Tensor:
     return history.apply_levels(levels, 3, packed)
 
 
-def _replica(history: AnchoredHistory) -> Replica:
-    return Replica(history.anchor.clone(), history.epoch.start, history.counts.clone(), history.version)
+def _replica(history: AnchoredHistory) -> AnchoredForm:
+    return AnchoredForm(history.anchor.clone(), history.epoch.start, history.counts.clone(), history.version)
 
 
 def test_anchored_is_three_rounded_float32_operations() -> None:
@@ -96,7 +96,7 @@ def test_catch_up_across_anchors_is_bit_identical() -> None:
     for t in range(3):
         _round(h, t)
     at3 = _replica(h)
-    fresh = Replica(torch.linspace(-1, 1, D), 0, torch.zeros(D, dtype=torch.int32), 0)
+    fresh = AnchoredForm(torch.linspace(-1, 1, D), 0, torch.zeros(D, dtype=torch.int32), 0)
     for t in range(3, 23):
         x = _round(h, t)
     # Execute
@@ -125,7 +125,7 @@ def test_a_single_round_is_coded_with_the_two_last_deltas_as_context() -> None:
     assert got.numpy().tobytes() == h.x().numpy().tobytes()
     assert np.array_equal(caught.recent, h.context)
     # a replica without the context refuses a Δ coded with it, and is left as it was
-    stale = Replica(replica.anchor, 0, replica.counts, 10)
+    stale = AnchoredForm(replica.anchor, 0, replica.counts, 10)
     with pytest.raises(ValueError, match="does not hold"):
         apply_segments(stale, segments, ENDS, 1000)
 
@@ -272,7 +272,7 @@ def test_a_corrupted_delta_is_refused_naming_node_and_round_and_the_state_kept()
     from flwr.app import ConfigRecord
     from flwr.common.serde import context_to_proto
 
-    from flower_dlion.protocol import BROADCAST, CONFIG
+    from flower_dlion.protocol import CONFIG, SERVER_UPDATE
     from flower_dlion.strategies import DistributedLion
     from flower_dlion.testing import LocalGrid
     from flower_dlion_app.client_app import app as client_app
@@ -288,7 +288,7 @@ def test_a_corrupted_delta_is_refused_naming_node_and_round_and_the_state_kept()
         )
     msgs = strategy.configure_train(3, arrays, ConfigRecord(), grid)
     msg = next(m for m in msgs if m.metadata.dst_node_id == 1000)
-    arr = msg.content[BROADCAST]["counts"]
+    arr = msg.content[SERVER_UPDATE]["counts"]
     assert msg.content[CONFIG]["segment-levels"] == [3]
     arr.data = arr.data[:50] + bytes([255]) + arr.data[51:]
     before = context_to_proto(grid.context(1000)).SerializeToString()

@@ -21,7 +21,7 @@ from flower_dlion import codec
 from flower_dlion.clients.state import crc32, read_state_file
 from flower_dlion.clients.state_store import STATE_WHERE, save_state
 from flower_dlion.lion import anchored
-from flower_dlion.protocol import UPLOAD
+from flower_dlion.protocol import CLIENT_UPLOAD
 from flower_dlion.strategies import DistributedLion
 from flower_dlion.testing import LocalGrid
 from flower_dlion_app.checkpoint import check_resumable, load_checkpoint, save_checkpoint
@@ -190,7 +190,7 @@ def test_byzantine_client_uploads_the_flipped_sign_of_its_honest_direction() -> 
         strategy = DistributedLion(lr=LR, weight_decay=WD)
         msgs = strategy.configure_train(1, initial_arrays()[1], ConfigRecord({"batch-size": 16, "seed": 0}), grid)
         replies = {r.metadata.src_node_id: r for r in grid.send_and_receive(msgs)}
-        uploads[name] = {n: codec.unpack_bits(r.content[UPLOAD]["signs"].data, D) for n, r in replies.items()}
+        uploads[name] = {n: codec.unpack_bits(r.content[CLIENT_UPLOAD]["signs"].data, D) for n, r in replies.items()}
     # Assert: round 1 has m = 0, so δ = sign(g); partition 0 sends −δ wherever g ≠ 0, partition 1 is unchanged
     g = gradient(flat_parameters(initial_arrays()[0]), 0, 2, 1)
     nonzero = g != 0

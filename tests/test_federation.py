@@ -13,7 +13,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message
 
 from flower_dlion.clients.state import STATE_ARRAYS
-from flower_dlion.protocol import UPLOAD
+from flower_dlion.protocol import CLIENT_UPLOAD
 from flower_dlion.strategies import DistributedLion
 from flower_dlion.testing import LocalGrid
 from flower_dlion_app.client_app import app as client_app
@@ -172,7 +172,7 @@ def test_replicas_equal_server_x_after_rounds_with_faults(how: str, caplog: pyte
     # Prepare: 4 clients; node 1002's reply is corrupted in round 3, node 1003 loses its state before round 5
     def hook(node_id: int, reply: Message) -> Message:
         if node_id == 1002 and reply.metadata.group_id == "3" and reply.has_content():
-            reply.content[UPLOAD]["signs"].data = b"\x00"
+            reply.content[CLIENT_UPLOAD]["signs"].data = b"\x00"
         return reply
 
     in_context = {**RUN_CONFIG, "state-in-context": True}  # lost with the node's context

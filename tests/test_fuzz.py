@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flower_dlion import codec
-from flower_dlion.protocol import METRICS, UPLOAD
+from flower_dlion.protocol import CLIENT_UPLOAD, METRICS
 from flower_dlion.strategies import DistributedLion
 from flower_dlion_app.strategies import GlobalOptimizer
 
@@ -89,20 +89,22 @@ def breakage(draw: st.DrawFn) -> tuple[str, object]:
 def broken(reply: Message, instruction: Message, kind: str, p: dict) -> Message | None:
     """``reply`` broken as ``kind`` says; None when the draw happens to leave it valid."""
     content = reply.content
-    delta, metrics = content[UPLOAD], content[METRICS]
+    delta, metrics = content[CLIENT_UPLOAD], content[METRICS]
     signs = delta["signs"]
     if kind == "extra-record":
-        content[p["name"] or "x"] = ConfigRecord({"a": 1}) if p["name"] not in (UPLOAD, METRICS) else content[UPLOAD]
-        if p["name"] in (UPLOAD, METRICS):
+        content[p["name"] or "x"] = (
+            ConfigRecord({"a": 1}) if p["name"] not in (CLIENT_UPLOAD, METRICS) else content[CLIENT_UPLOAD]
+        )
+        if p["name"] in (CLIENT_UPLOAD, METRICS):
             return None
     elif kind == "missing-record":
-        del content[UPLOAD if p["text"] < "m" else METRICS]
+        del content[CLIENT_UPLOAD if p["text"] < "m" else METRICS]
     elif kind == "record-type":
-        content[UPLOAD] = MetricRecord({"signs": 1})
+        content[CLIENT_UPLOAD] = MetricRecord({"signs": 1})
     elif kind == "array-name":
         if p["name"] == "signs":
             return None
-        content[UPLOAD] = ArrayRecord({p["name"]: signs})
+        content[CLIENT_UPLOAD] = ArrayRecord({p["name"]: signs})
     elif kind == "extra-array":
         delta[p["name"] + "!"] = Array(np.zeros(2, dtype=np.float32))
     elif kind == "array-dtype":

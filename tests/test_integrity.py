@@ -21,7 +21,7 @@ from flwr.common.serde import context_to_proto
 from flower_dlion.clients.state import crc32
 from flower_dlion.clients.state_store import save_state
 from flower_dlion.lion import anchored
-from flower_dlion.protocol import BROADCAST, CONFIG
+from flower_dlion.protocol import CONFIG, SERVER_UPDATE
 from flower_dlion.strategies import DistributedLion
 from flower_dlion.testing import LocalGrid
 from flower_dlion_app.client_app import app as client_app
@@ -38,7 +38,7 @@ def _flip(record: str) -> Tamper:
     """Flip the lowest bit of the middle byte of the message's ``record`` payload."""
 
     def tamper(msg: Message) -> None:
-        arr = msg.content[BROADCAST][record]
+        arr = msg.content[SERVER_UPDATE][record]
         data = bytearray(arr.data)
         data[len(data) // 2] ^= 1
         arr.data = bytes(data)

@@ -6,10 +6,10 @@ from flwr.app import ArrayRecord, ConfigRecord
 
 from flower_dlion.protocol import CONFIG
 from flower_dlion.strategies import DistributedLion
-from flower_dlion.strategies.aggregation import Applied, RoundCounts, Uplink
 from flower_dlion.strategies.common import ServerModelStrategy
-from flower_dlion.strategies.downlink_messages import Downlink
+from flower_dlion.strategies.downlink import Downlink
 from flower_dlion.strategies.server_state import ServerState
+from flower_dlion.strategies.uplink import Applied, RoundCounts, Uplink
 
 from .test_strategy import SIGNS, StubGrid, first_round, signs_reply
 

@@ -20,7 +20,7 @@ import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAvg
 
-from flower_dlion.protocol import METRICS, UPLOAD
+from flower_dlion.protocol import CLIENT_UPLOAD, METRICS
 from flower_dlion.strategies import DistributedLion
 from flower_dlion.strategies.nodes import HELLO_TYPE
 from flower_dlion.strategies.run_stops import RunStopped
@@ -209,8 +209,10 @@ def test_a_round_without_a_train_message_is_a_row(tmp_path: Path) -> None:
 def wrong_layout(instruction: Message) -> Message:
     """A reply whose signs are of a 9-parameter model (the federation's has 10)."""
     good = signs_reply(instruction, SIGNS[0])
-    array = Array(dtype="bit", shape=(9,), stype="dlion.sign1", data=good.content[UPLOAD]["signs"].data)
-    content = RecordDict({UPLOAD: ArrayRecord({"signs": array}), METRICS: MetricRecord(dict(good.content[METRICS]))})
+    array = Array(dtype="bit", shape=(9,), stype="dlion.sign1", data=good.content[CLIENT_UPLOAD]["signs"].data)
+    content = RecordDict(
+        {CLIENT_UPLOAD: ArrayRecord({"signs": array}), METRICS: MetricRecord(dict(good.content[METRICS]))}
+    )
     return Message(content, reply_to=instruction)
 
 
@@ -274,9 +276,11 @@ def test_a_reply_rejected_for_another_reason_leaves_the_node_in(caplog: pytest.L
     strategy = DistributedLion(lr=0.1)
     sent = first_round(strategy, [1, 2, 3, 4])
     good = signs_reply(sent[4], SIGNS[3])
-    data = good.content[UPLOAD]["signs"].data + b"\x00"
+    data = good.content[CLIENT_UPLOAD]["signs"].data + b"\x00"
     array = Array(dtype="bit", shape=(10,), stype="dlion.sign1", data=data)
-    bad = Message(RecordDict({UPLOAD: ArrayRecord({"signs": array}), METRICS: good.content[METRICS]}), reply_to=sent[4])
+    bad = Message(
+        RecordDict({CLIENT_UPLOAD: ArrayRecord({"signs": array}), METRICS: good.content[METRICS]}), reply_to=sent[4]
+    )
     caplog.set_level(logging.WARNING, logger="flwr")
     # Execute
     strategy.aggregate_train(1, [signs_reply(sent[n], SIGNS[n - 1]) for n in (1, 2, 3)] + [bad])
@@ -311,8 +315,8 @@ def test_a_momentum_array_of_another_model_is_the_wrong_layout_too() -> None:
 
     def reply(n: int, momentum: np.ndarray) -> Message:
         good = signs_reply(sent[n], SIGNS[n - 1])
-        arrays = ArrayRecord({"signs": good.content[UPLOAD]["signs"], "momentum": Array(momentum)})
-        return Message(RecordDict({UPLOAD: arrays, METRICS: good.content[METRICS]}), reply_to=sent[n])
+        arrays = ArrayRecord({"signs": good.content[CLIENT_UPLOAD]["signs"], "momentum": Array(momentum)})
+        return Message(RecordDict({CLIENT_UPLOAD: arrays, METRICS: good.content[METRICS]}), reply_to=sent[n])
 
     replies = [reply(n, np.zeros(10, np.float32)) for n in (1, 2)] + [reply(3, np.zeros(12, np.float32))]
     # Execute

@@ -44,7 +44,7 @@ from flwr.clientapp import ClientApp
 from flower_dlion import DistributedLion, DLionClient, codec
 from flower_dlion.clients.placement import Crossings, Placement
 from flower_dlion.clients.resident import Replica
-from flower_dlion.protocol import CONFIG, UPLOAD
+from flower_dlion.protocol import CLIENT_UPLOAD, CONFIG
 from flower_dlion.testing import LocalGrid
 from flower_dlion_app.model import Net
 
@@ -76,7 +76,7 @@ def federation(rounds: int, nodes: int = 2, downlink: str = "auto", **settings: 
         batches = [(torch.randn(8, 1, 28, 28, generator=gen), torch.randint(0, 10, (8,), generator=gen))]
         reply = client.train(msg, context, batches)
         (here,) = client._devices.values()
-        upload = reply.content[UPLOAD]
+        upload = reply.content[CLIENT_UPLOAD]
         seen.append(
             Sent(
                 context.node_id,

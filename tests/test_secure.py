@@ -21,7 +21,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordD
 from flower_dlion import DistributedLion
 from flower_dlion.clients.secure_client import answer_query, check_train, mask_upload
 from flower_dlion.params import ModelSpec
-from flower_dlion.protocol import SECURE, UPLOAD, ClientStateError
+from flower_dlion.protocol import CLIENT_UPLOAD, SECURE, ClientStateError
 from flower_dlion.secure import masking
 from flower_dlion.testing import LocalGrid
 from flower_dlion_app.client_app import app as client_app
@@ -320,11 +320,11 @@ def test_a_masked_upload_is_uniform_and_a_malformed_one_is_a_dropout() -> None:
         if reply.metadata.message_type != "train" or reply.has_error():
             return reply
         if node_id == 1002 and not kept:
-            kept["planes"] = reply.content[UPLOAD]["masked"].data
+            kept["planes"] = reply.content[CLIENT_UPLOAD]["masked"].data
         if node_id == 1004 and _round2(reply):
-            masked = reply.content[UPLOAD]["masked"]
+            masked = reply.content[CLIENT_UPLOAD]["masked"]
             cut = Array(dtype=masked.dtype, shape=masked.shape, stype=masked.stype, data=masked.data[:-1])
-            reply.content[UPLOAD] = ArrayRecord({"masked": cut})
+            reply.content[CLIENT_UPLOAD] = ArrayRecord({"masked": cut})
         return reply
 
     plain, _, _ = _run(

@@ -31,7 +31,7 @@ from flwr.app import Array, ArrayRecord, Message
 
 import flower_dlion.clients.dlion as client_module
 from flower_dlion import DistributedLion
-from flower_dlion.protocol import METRICS, SECURE, UPLOAD
+from flower_dlion.protocol import CLIENT_UPLOAD, METRICS, SECURE
 from flower_dlion.secure import masking
 from flower_dlion.testing import LocalGrid
 from flower_dlion_app.client_app import app as client_app
@@ -61,7 +61,9 @@ class Adversary:
             t = int(reply.metadata.group_id)
             if (t, node_id) in self.dropped:
                 return None
-            self.uploads.setdefault((t, key), []).append((self.session, bytes(reply.content[UPLOAD]["masked"].data)))
+            self.uploads.setdefault((t, key), []).append(
+                (self.session, bytes(reply.content[CLIENT_UPLOAD]["masked"].data))
+            )
             if (t, node_id) in self.late:
                 return None  # the server declared it dropped; it keeps the reply all the same
             return reply if self.tamper is None else self.tamper(node_id, reply)
@@ -181,9 +183,9 @@ def test_a_rejected_reply_is_never_unmasked(monkeypatch: pytest.MonkeyPatch) -> 
         if reply.metadata.group_id == "2" and node_id == 1001:
             reply.content[METRICS]["coin-flips"] = -1
         if reply.metadata.group_id == "2" and node_id == 1003:
-            masked = reply.content[UPLOAD]["masked"]
+            masked = reply.content[CLIENT_UPLOAD]["masked"]
             cut = Array(dtype=masked.dtype, shape=masked.shape, stype=masked.stype, data=masked.data[:-1])
-            reply.content[UPLOAD] = ArrayRecord({"masked": cut})
+            reply.content[CLIENT_UPLOAD] = ArrayRecord({"masked": cut})
         return reply
 
     truth, adversary = Truth(monkeypatch), Adversary(tamper=tamper)

@@ -21,7 +21,7 @@ from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 from flower_dlion import entropy
 from flower_dlion.protocol import message_bytes
 from flower_dlion.strategies import DistributedLion
-from flower_dlion.strategies.downlink_messages import Downlink
+from flower_dlion.strategies.downlink import Downlink
 
 from .states import load
 from .test_strategy import StubGrid, signs_reply
@@ -152,7 +152,7 @@ def test_the_server_applies_levels_as_the_signs_gave(d: int) -> None:
     # Prepare: rounds of 2 and 3 levels, an anchor every 3; the reference does what the server did before:
     # C += L, then x = γ·xₐ − η·C (lion.anchored), the context from L (context_of), a new anchor at x
     from flower_dlion import codec
-    from flower_dlion.downlink import AnchoredHistory, context_of, levels_to_signs
+    from flower_dlion.anchored_counts import AnchoredHistory, context_of, levels_to_signs
     from flower_dlion.lion import anchored
 
     gen = torch.Generator().manual_seed(d)

@@ -13,7 +13,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flower_dlion import codec
-from flower_dlion.protocol import BROADCAST, CONFIG, HELLO, METRICS, UPLOAD, checksum, message_bytes, to_array
+from flower_dlion.protocol import (
+    CLIENT_UPLOAD,
+    CONFIG,
+    HELLO,
+    METRICS,
+    SERVER_UPDATE,
+    checksum,
+    message_bytes,
+    to_array,
+)
 from flower_dlion.strategies import DistributedLion
 
 
@@ -56,7 +65,7 @@ def signs_reply(instruction: Message, signs: list[int], x: torch.Tensor | None =
     packed = codec.pack_signs(torch.tensor(signs, dtype=torch.float32)).numpy().tobytes()
     array = Array(dtype="bit", shape=(len(signs),), stype="dlion.sign1", data=packed)
     return Message(
-        RecordDict({UPLOAD: ArrayRecord({"signs": array}), METRICS: MetricRecord(metrics)}), reply_to=instruction
+        RecordDict({CLIENT_UPLOAD: ArrayRecord({"signs": array}), METRICS: MetricRecord(metrics)}), reply_to=instruction
     )
 
 
@@ -109,7 +118,7 @@ def test_first_round_sends_full_model_to_new_nodes() -> None:
     for msg in sent.values():
         cfg = msg.content[CONFIG]
         assert cfg["kind"] == "full" and cfg["version"] == 0 and msg.content["config"]["batch-size"] == 8
-        np.testing.assert_array_equal(msg.content[BROADCAST]["payload"].numpy(), X0)
+        np.testing.assert_array_equal(msg.content[SERVER_UPDATE]["payload"].numpy(), X0)
     assert strategy.num_parameters == 10
 
 
@@ -155,7 +164,7 @@ def test_second_round_broadcasts_packed_delta_that_decodes_to_the_applied_update
     msgs = strategy.configure_train(2, ArrayRecord(), ConfigRecord(), StubGrid([1, 2, 3, 4]))
     # Assert
     for msg in msgs:
-        cfg, payload = msg.content[CONFIG], msg.content[BROADCAST]["payload"]
+        cfg, payload = msg.content[CONFIG], msg.content[SERVER_UPDATE]["payload"]
         assert cfg["kind"] == "deltas" and cfg["base-version"] == 0 and cfg["version"] == 1
         assert cfg["num-levels"] == [3] and payload.stype == "dlion.levels"
         assert len(payload.data) == 2  # ⌈10/5⌉ bytes: 1.6 bits per parameter
@@ -169,7 +178,7 @@ def test_second_round_broadcasts_packed_delta_that_decodes_to_the_applied_update
 
 def test_second_round_sends_the_packed_delta_that_gives_the_applied_x() -> None:
     # Prepare: the anchored downlink (the default for a vote)
-    from flower_dlion import codec, downlink
+    from flower_dlion import anchored_counts, codec
 
     strategy = DistributedLion(aggregation="vote", lr=0.1, weight_decay=0.5)
     sent = first_round(strategy, [1, 2, 3, 4])
@@ -180,29 +189,31 @@ def test_second_round_sends_the_packed_delta_that_gives_the_applied_x() -> None:
     # decay 1 − lr·wd, step lr
     vote = np.sign(np.sum(SIGNS, axis=0))
     for msg in msgs:
-        cfg, counts = msg.content[CONFIG], msg.content[BROADCAST]["counts"]
+        cfg, counts = msg.content[CONFIG], msg.content[SERVER_UPDATE]["counts"]
         assert cfg["kind"] == "counts" and cfg["base-version"] == 0 and cfg["version"] == 1
         assert cfg["segment-end"] == [1] and cfg["segment-decay"] == [1 - 0.1 * 0.5] and cfg["segment-step"] == [0.1]
         assert counts.stype == "dlion.coded" and cfg["segment-bytes"] == [len(counts.data)] == [2]
         assert cfg["segment-levels"] == [3] and cfg["segment-context"] == [0]
         assert counts.data == codec.encode_levels(torch.from_numpy(vote + 1), 3).numpy().tobytes()
-        replica = downlink.Replica(torch.from_numpy(X0.copy()), 0, torch.zeros(10, dtype=torch.int32), 0)
-        segment = downlink.Segment(1, cfg["segment-decay"][0], cfg["segment-step"][0], False, False, counts.data, 3)
-        _, x = downlink.apply_segments(replica, [segment], [10], limit=200)
+        replica = anchored_counts.Replica(torch.from_numpy(X0.copy()), 0, torch.zeros(10, dtype=torch.int32), 0)
+        segment = anchored_counts.Segment(
+            1, cfg["segment-decay"][0], cfg["segment-step"][0], False, False, counts.data, 3
+        )
+        _, x = anchored_counts.apply_segments(replica, [segment], [10], limit=200)
         assert torch.equal(x, strategy.x)  # bit-identical replica
         np.testing.assert_allclose(x.numpy(), expected_x(vote.tolist(), 0.1, 0.5), rtol=1e-6)
 
 
 def _corruptions(instruction: Message) -> dict[str, tuple[Message, str]]:
     good = signs_reply(instruction, SIGNS[0])
-    arr = good.content[UPLOAD]["signs"]
+    arr = good.content[CLIENT_UPLOAD]["signs"]
     metrics = dict(good.content[METRICS])
 
     def with_content(**records: object) -> Message:
         return Message(RecordDict(records), reply_to=instruction)
 
     def with_array(a: Array) -> Message:
-        return with_content(**{UPLOAD: ArrayRecord({"signs": a}), METRICS: MetricRecord(metrics)})
+        return with_content(**{CLIENT_UPLOAD: ArrayRecord({"signs": a}), METRICS: MetricRecord(metrics)})
 
     return {
         "wrong length": (
@@ -218,13 +229,27 @@ def _corruptions(instruction: Message) -> dict[str, tuple[Message, str]]:
             "stype 'numpy.ndarray'",
         ),
         "wrong dtype": (with_array(Array(np.ones(10, dtype=np.float32))), "dtype"),
-        "missing record": (with_content(**{UPLOAD: good.content[UPLOAD]}), "records ['dlion.delta'], expected"),
+        "missing record": (
+            with_content(**{CLIENT_UPLOAD: good.content[CLIENT_UPLOAD]}),
+            "records ['dlion.delta'], expected",
+        ),
         "extra record": (
-            with_content(**{UPLOAD: good.content[UPLOAD], METRICS: MetricRecord(metrics), "x": ConfigRecord({"a": 1})}),
+            with_content(
+                **{
+                    CLIENT_UPLOAD: good.content[CLIENT_UPLOAD],
+                    METRICS: MetricRecord(metrics),
+                    "x": ConfigRecord({"a": 1}),
+                }
+            ),
             "records",
         ),
         "nan loss": (
-            with_content(**{UPLOAD: good.content[UPLOAD], METRICS: MetricRecord({**metrics, "train-loss": math.nan})}),
+            with_content(
+                **{
+                    CLIENT_UPLOAD: good.content[CLIENT_UPLOAD],
+                    METRICS: MetricRecord({**metrics, "train-loss": math.nan}),
+                }
+            ),
             "'train-loss' is nan",
         ),
         "stale version": (signs_reply(instruction, SIGNS[0], version=7), "replica at version 7, expected 0"),
@@ -317,7 +342,7 @@ def test_message_bytes_counts_each_distinct_object_once() -> None:
     def message() -> Message:
         data = bytes(3 * chunk) + b"tail"
         signs = Array(dtype="bit", shape=(8 * len(data),), stype="dlion.sign1", data=data)
-        content = {UPLOAD: ArrayRecord({"signs": signs}), METRICS: MetricRecord({"version": 1})}
+        content = {CLIENT_UPLOAD: ArrayRecord({"signs": signs}), METRICS: MetricRecord({"version": 1})}
         return Message(RecordDict(content), dst_node_id=1, message_type="train")
 
     # Execute

@@ -2,7 +2,7 @@
 
 :func:`flower_dlion.accel.choose` hands these out (numba installed; from 2²⁰ values up under
 ``FLOWER_DLION_KERNELS=auto``, at every size under ``on``). Each one is the twin of the
-:mod:`flower_dlion.codec` (or :mod:`flower_dlion.downlink`) function or step its docstring
+:mod:`flower_dlion.codec` (or :mod:`flower_dlion.anchored_counts`) function or step its docstring
 names, takes its arguments, for inputs the caller has checked it can take (float32,
 contiguous, in host memory), runs the kernels of :mod:`.numba_pack`, :mod:`.numba_levels` and
 :mod:`.numba_count` on torch's CPU threads (:mod:`.threads`) and returns its result; the caller
@@ -143,7 +143,7 @@ def step_counts(
     scratch: torch.Tensor | None = None,
     anchored: Anchored,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """:func:`flower_dlion.downlink.step_counts` in two passes: the Δ's levels as bytes, then C' and x' in one.
+    """:func:`flower_dlion.anchored_counts.step_counts` in two passes: the Δ's levels as bytes, then C' and x' in one.
 
     The second pass reads 9 bytes a value and writes 8 (the composition: nine passes and
     four temporaries). ``scratch`` is not needed: the levels go to a buffer kept per thread.

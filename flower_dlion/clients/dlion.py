@@ -59,12 +59,12 @@ from torch import nn
 from ..coin_flips import EXPLAIN_ABOVE, explain
 from ..params import Binding, LossFn, cross_entropy_loss, layout_fingerprint
 from ..protocol import (
+    CLIENT_UPLOAD,
     HELLO,
     HELLO_ACTION,
     METRICS,
     OTHER_APP,
     SECURE,
-    UPLOAD,
     to_array,
 )
 from ..round_records import ReplyMetrics, RoundConfig, hello_keys
@@ -364,7 +364,9 @@ class DLionClient:
             coin_flips=flipped,
             flips_explained=explain(node.m, node.replica.x, spec.layout) if explained else {},
         )
-        return Message(content=RecordDict({UPLOAD: ArrayRecord(arrays), METRICS: metrics.to_record()}), reply_to=msg)
+        return Message(
+            content=RecordDict({CLIENT_UPLOAD: ArrayRecord(arrays), METRICS: metrics.to_record()}), reply_to=msg
+        )
 
     # ------------------------------------------------------------------ the node's state
     def _start(self, here: _Device, store: StateStore, owner: str, context: Context) -> NodeState | None:

@@ -1,6 +1,6 @@
 """What a node checks before it keeps anything a train message brings: each part's CRC, and x's.
 
-The server sends, with every train message (:mod:`flower_dlion.strategies.downlink_messages`):
+The server sends, with every train message (:mod:`flower_dlion.strategies.downlink`):
 
 * ``payload-crc``: the CRC-32 of each part of the payload, in the order the node reads them
   (the float32 model or anchor, then each Δ of the chain or each count segment). A part is

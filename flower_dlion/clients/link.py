@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..anchored_counts import Segment
 from ..codec import encoded_size
-from ..downlink import Segment
 
 __all__ = ["REPROBE", "ContextChoice", "DecodeCost"]
 

@@ -6,7 +6,7 @@ What a train message says about x (``protocol.CONFIG`` ``kind``):
 * ``"deltas"``: the encoded Δs from ``base-version`` to ``version``, applied in order as the
   server applied them, ``x ← x − lr·(Δ + wd·x)`` (:func:`quantizers.apply_delta_`); Δs the
   replica already has (its reply was lost) are skipped;
-* ``"counts"`` (the anchored downlink, :mod:`flower_dlion.downlink`): count segments from
+* ``"counts"`` (the anchored downlink, :mod:`flower_dlion.anchored_counts`): count segments from
   ``base-version`` (one per anchor crossed; one Δ as its packed levels, or entropy-coded
   counts), ``x = γ·xₐ − η·C``; with the anchored downlink a ``"full"`` message carries the
   anchor xₐ (at ``anchor-version``) and the segments since it;
@@ -18,7 +18,7 @@ A message applied to a replica makes a new :class:`~.resident.Replica` (replicas
 changed in place). The process's :class:`~.resident.ReplicaPool` remembers what made it: a
 second node that receives the same message at the same version gets the same replica without
 decoding or computing it again. The one Δ of an in-sync node is applied on the device in one
-step (:func:`downlink.step_counts`: its packed levels go to the device, the counts and x come
+step (:func:`anchored_counts.step_counts`: its packed levels go to the device, the counts and x come
 out); catch-ups and context-coded Δs are decoded on the host (the entropy coder) and cross once.
 
 Anything that does not fit the replica or is out of range (a level above L − 1, a bad scale, rate
@@ -37,9 +37,10 @@ import numpy as np
 import torch
 from flwr.app import RecordDict
 
-from .. import codec, downlink, entropy, quantizers
+from .. import codec, entropy, quantizers
+from ..anchored_counts import AnchoredForm, Segment, apply_segments, decode_segment, step_counts
 from ..params import ModelSpec, layout_fingerprint, state_checksum
-from ..protocol import BROADCAST, CODED_STYPE, CONFIG, LEVELS_STYPE, REST, SEED_MISMATCH
+from ..protocol import CODED_STYPE, CONFIG, LEVELS_STYPE, REST, SEED_MISMATCH, SERVER_UPDATE
 from ..round_records import RoundConfig
 from .integrity import check_part, check_segment, check_steps, verified
 from .link import ContextChoice
@@ -194,7 +195,7 @@ def _anchor_replica(anchor: np.ndarray, anchor_version: int, env: Apply) -> Repl
     return env.pool.add(replica)
 
 
-def _advance(base: Replica, segments: list[downlink.Segment], limit: int, env: Apply) -> tuple[Replica, bytes]:
+def _advance(base: Replica, segments: list[Segment], limit: int, env: Apply) -> tuple[Replica, bytes]:
     """The replica after ``segments`` (made once per process) and the record that undoes a one-segment catch-up."""
     keep_context = env.context is not None and env.context.keeps
     key = ("segments", base.ident, keep_context, tuple(_fingerprint(s) for s in segments))
@@ -206,18 +207,18 @@ def _advance(base: Replica, segments: list[downlink.Segment], limit: int, env: A
     if len(segments) == 1 and seg.levels and not keep_context:
         replica, undo = _step(base, seg, limit, env)
     else:
-        replica, undo = _catch_up(base, segments, limit, env, keep_context)
+        replica, undo = _decode_on_host(base, segments, limit, env, keep_context)
     if env.context is not None and len(segments) == 1 and seg.end == base.version + 1:
         env.context.observe(seg, time.perf_counter() - t0, env.d)
     return env.pool.add(replica, key, undo), undo
 
 
-def _fingerprint(seg: downlink.Segment) -> tuple:
+def _fingerprint(seg: Segment) -> tuple:
     payload = (len(seg.payload), zlib.crc32(seg.payload))
     return (seg.end, seg.decay, seg.step, seg.refresh, seg.context, seg.levels, *payload)
 
 
-def _step(base: Replica, seg: downlink.Segment, limit: int, env: Apply) -> tuple[Replica, bytes]:
+def _step(base: Replica, seg: Segment, limit: int, env: Apply) -> tuple[Replica, bytes]:
     """One Δ as packed levels, applied on the device: C' = C + L and x' = γ·xₐ − η·C' in one step."""
     assert base.anchor is not None and base.counts is not None
     if seg.end != base.version + 1 or seg.end - base.anchor_version > limit:
@@ -225,7 +226,7 @@ def _step(base: Replica, seg: downlink.Segment, limit: int, env: Apply) -> tuple
     packed = env.placement.bytes_to_device(seg.payload)
     out, scratch = (env.pool.buffer(base.counts), env.pool.buffer(base.x)), env.pool.buffer(base.x)
     try:
-        counts, x = downlink.step_counts(
+        counts, x = step_counts(
             base.anchor, base.counts, packed, seg.levels, seg.decay, seg.step, out=out, scratch=scratch
         )
     finally:
@@ -245,20 +246,20 @@ def _step(base: Replica, seg: downlink.Segment, limit: int, env: Apply) -> tuple
     return replica, undo
 
 
-def _catch_up(
-    base: Replica, segments: list[downlink.Segment], limit: int, env: Apply, keep_context: bool
+def _decode_on_host(
+    base: Replica, segments: list[Segment], limit: int, env: Apply, keep_context: bool
 ) -> tuple[Replica, bytes]:
-    """Segments decoded on the host (:func:`downlink.apply_segments`, the reference); the result crosses once."""
+    """Segments decoded on the host (:func:`apply_segments`, the reference); the result crosses once."""
     assert base.anchor is not None and base.counts is not None
     place = env.placement
     anchor_host = place.replica_on_host(base, "anchor")
     counts_host = place.replica_on_host(base, "counts")
     recent = base.recent if base.depth else None
-    start = downlink.Replica(
+    start = AnchoredForm(
         torch.from_numpy(anchor_host), base.anchor_version, torch.from_numpy(counts_host), base.version,
         recent, base.version if recent is not None else -1, base.depth if recent is not None else 0,
     )  # fmt: skip
-    after, x = downlink.apply_segments(start, segments, entropy.blocks_of(env.spec.sizes), limit)
+    after, x = apply_segments(start, segments, entropy.blocks_of(env.spec.sizes), limit)
     x_host = x.numpy()  # new arrays: on the CPU the device tensors below are these
     if after.anchor is start.anchor:
         anchor, anchor_checksum, anchor_on_host = base.anchor, base.anchor_checksum, anchor_host
@@ -295,7 +296,7 @@ def _undo(replica: Replica, node: NodeState, env: Apply) -> Replica:
     if kind == b"C":  # the coded counts as received
         taken = entropy.decode(data, d, entropy.blocks_of(env.spec.sizes))
     else:  # b"L": one Δ as its packed levels (2 or 3)
-        taken = downlink.decode_segment(downlink.Segment(0, 1.0, 0.0, False, False, data[1:], data[0]), d, [d], None)
+        taken = decode_segment(Segment(0, 1.0, 0.0, False, False, data[1:], data[0]), d, [d], None)
     counts = env.placement.replica_on_host(replica, "counts").astype(np.int32) - taken
     return Replica(
         node.previous, replica.anchor, -1, replica.anchor, replica.anchor_version, replica.anchor_checksum,
@@ -309,7 +310,7 @@ def _apply_deltas(content: RecordDict, base: Replica, env: Apply, *, skip: int) 
     """X ← x − lr·(Δ + wd·x) for each received Δ after the first ``skip`` (those x already has), into a new replica."""
     round_config, d, node_id = content[CONFIG], env.d, env.node_id
     sizes = quantizers.scale_blocks(env.spec.sizes, env.round.scale_block)
-    arr = content[BROADCAST]["payload"]
+    arr = content[SERVER_UPDATE]["payload"]
     if arr.stype != LEVELS_STYPE:
         raise ClientStateError(f"node {node_id}: update stype {arr.stype!r}, expected {LEVELS_STYPE!r}")
     data = arr.data
@@ -381,7 +382,7 @@ def _seeded(round_config: dict, env: Apply, *, anchored: bool) -> tuple[Replica,
 def _full_x(content: RecordDict, env: Apply) -> tuple[np.ndarray, int]:
     """The float32 model (or anchor) of a full message, checked (a host array), and its CRC-32."""
     d, node_id = env.d, env.node_id
-    payload = content[BROADCAST]["payload"].numpy()
+    payload = content[SERVER_UPDATE]["payload"].numpy()
     if payload.shape != (d,) or payload.dtype != np.float32:
         raise ClientStateError(
             f"node {node_id}: full model has {payload.shape} {payload.dtype}, expected ({d},) float32"
@@ -391,15 +392,15 @@ def _full_x(content: RecordDict, env: Apply) -> tuple[np.ndarray, int]:
     return payload, check_part(content[CONFIG], 0, payload, "the full model", env)
 
 
-def _segments(content: RecordDict, round_config: dict, env: Apply, first: int, anchor: int) -> list[downlink.Segment]:
+def _segments(content: RecordDict, round_config: dict, env: Apply, first: int, anchor: int) -> list[Segment]:
     """The count segments of an anchored message from a replica anchored at version ``anchor``, checked.
 
     Their CRC-32s (parts ``first``, …), decay, step and levels.
     """
     node_id = env.node_id
-    if BROADCAST not in content or "counts" not in content[BROADCAST]:
+    if SERVER_UPDATE not in content or "counts" not in content[SERVER_UPDATE]:
         raise ClientStateError(f"node {node_id}: an anchored message without its counts")
-    arr = content[BROADCAST]["counts"]
+    arr = content[SERVER_UPDATE]["counts"]
     if arr.stype != CODED_STYPE:
         raise ClientStateError(f"node {node_id}: counts stype {arr.stype!r}, expected {CODED_STYPE!r}")
     data = arr.data
@@ -416,7 +417,7 @@ def _segments(content: RecordDict, round_config: dict, env: Apply, first: int, a
         anchor = int(end) if refresh else anchor
         payload = bytes(data[offset : offset + nbytes])
         check_part(round_config, first + i, payload, f"count segment {i + 1} of {len(rows)}", env)
-        out.append(downlink.Segment(int(end), float(decay), float(step), bool(refresh), bool(context),
+        out.append(Segment(int(end), float(decay), float(step), bool(refresh), bool(context),
                                     payload, int(num_levels)))  # fmt: skip
         offset += nbytes
     return out

@@ -72,7 +72,7 @@ CONTEXT_LIMIT = 1 << 30  # bytes of state above which context.state is refused (
 FORMAT = 2  # of the persisted state (1: x, m, anchor and int32 counts as torch.save'd tensors, no owner or stamp)
 MAGIC = b"DLS2"
 COUNT_LIMIT = 1 << 30  # |C| beyond this is no count of votes
-CONTEXTS = 9  # a coder context is 0–8 (flower_dlion.downlink)
+CONTEXTS = 9  # a coder context is 0–8 (flower_dlion.anchored_counts)
 
 
 class StateRefused(ValueError):

@@ -1,7 +1,7 @@
 """The server's side of the vote: n packed sign payloads → bit-sliced counts → Δ's levels, never unpacked.
 
 :func:`aggregate_packed` is the accelerated twin of :func:`flower_dlion.lion.aggregate` (the
-definition) for 1-bit sign payloads; :mod:`flower_dlion.server_delta` chooses between them.
+definition) for 1-bit sign payloads; :mod:`flower_dlion.strategies.server_delta` chooses between them.
 """
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ def aggregate_packed(payloads: Sequence[torch.Tensor | bytes | np.ndarray], d: i
     there), ``encoded`` is :func:`encode_levels` of them, ``ties`` = #{S = 0} and ``sum_abs`` =
     Σ|S| — but no d-sized integer array is formed on the way: the count planes
     (:func:`count_planes`) and the masks of :func:`majority_masks` are packed, the levels are
-    bytes. :func:`flower_dlion.server_delta.choose_aggregator` picks it, once per strategy, for
+    bytes. :func:`flower_dlion.strategies.server_delta.choose_aggregator` picks it, once per strategy, for
     the sign upload with an exact broadcast (the default); tests/test_aggregation_home.py holds
     it equal to the definition.
 

@@ -3,7 +3,7 @@
 Start here. One round of :class:`DistributedLion`, and where each step lives:
 
 - ``configure_train`` (below) samples the nodes (:mod:`~.nodes`) and asks its downlink ``self.down``
-  for each one's message (:class:`~.downlink_messages.Downlink`: only what it lacks to reach x);
+  for each one's message (:class:`~.downlink.Downlink`: only what it lacks to reach x);
 - the client takes its Lion step and packs its signs (:mod:`flower_dlion.clients.dlion`);
 - ``aggregate_train`` (below) has its uplink ``self.up`` check the replies, vote or average them into
   Δ and apply Δ to x (:class:`~.aggregation.Uplink`), and hands the encoded Δ to the downlink;
@@ -29,14 +29,14 @@ from flwr.supercore import log
 from ..params import ModelSpec, layer_mask
 from ..protocol import STATE_KEY, RejectedReply, checksum
 from . import divergence
-from .aggregation import RoundCounts, Uplink
 from .common import ServerModelStrategy
-from .downlink_messages import Downlink
+from .downlink import Downlink
 from .nodes import described_model
 from .options import OptionAttribute, Options
 from .replies import log_refused, sort_replies
 from .secure_rounds import SecureRounds
 from .server_state import Broadcast, Round, ServerState
+from .uplink import RoundCounts, Uplink
 from .views import ModelView, NodeView
 
 __all__ = ["Broadcast", "DistributedLion", "RejectedReply", "ServerState"]
@@ -167,7 +167,7 @@ class DistributedLion(ServerModelStrategy):
         run finds the files. "": a random key of this object's (:attr:`run_key`), so that two runs
         never share a client's state, even with the same run id (in-process grids, parallel sweeps).
     downlink : {"auto", "anchored", "chain"} (default: "auto")
-        What a client that is behind receives. "anchored" (:mod:`flower_dlion.downlink`): the
+        What a client that is behind receives. "anchored" (:mod:`flower_dlion.anchored_counts`): the
         counts C = Σ Δ since its version, entropy-coded (about log₂ √k bits a value k rounds
         behind; needs a vote with exact broadcast). "chain": the missed Δs. "auto": anchored if it can.
     anchor_every : int (default: 200)

@@ -7,9 +7,9 @@ in seven frozen groups, each named as the strategy's code uses it:
 - :class:`LocalOptions`: what each client does between two uploads (local steps, their optimizer);
 - :class:`UplinkOptions`: what a client uploads and how the server makes Δ of the uploads, down
   to Δ's quantization for the broadcast (the options of
-  :class:`~flower_dlion.strategies.aggregation.Uplink`);
+  :class:`~flower_dlion.strategies.uplink.Uplink`);
 - :class:`DownlinkOptions`: how a node is brought to x (the options of
-  :class:`~flower_dlion.strategies.downlink_messages.Downlink`);
+  :class:`~flower_dlion.strategies.downlink.Downlink`);
 - :class:`SyncOptions`: the momentum and buffer synchronizations;
 - :class:`SecureOptions`: secure aggregation of the signs (:mod:`flower_dlion.secure`);
 - :class:`~.divergence.DivergenceOptions`: the divergence watch (:mod:`~.divergence`).

@@ -17,7 +17,7 @@ One round, and where each step is:
    its dropped neighbours. The server sums the survivors' uploads mod 2ᵇ bit-sliced
    (:mod:`flower_dlion.secure.masking`) and takes off their self-masks and their masks with the
    dropped: the counts, which go to the same aggregation as the plain vote
-   (:func:`flower_dlion.server_delta.counts_delta`): the same Δ, bit for bit. A survivor that
+   (:func:`flower_dlion.strategies.server_delta.counts_delta`): the same Δ, bit for bit. A survivor that
    does not answer fails the round (its upload cannot be called dropped: it may have revealed its
    self-mask already).
 

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..downlink import AnchoredHistory
+from ..anchored_counts import AnchoredHistory
 from ..uploads import Parsed
 
 __all__ = ["Broadcast", "Round", "ServerState", "ValidReply"]

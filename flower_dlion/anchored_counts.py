@@ -40,9 +40,9 @@ from . import accel, codec, entropy
 from .lion import anchored
 
 __all__ = [
+    "AnchoredForm",
     "AnchoredHistory",
     "Epoch",
-    "Replica",
     "Segment",
     "apply_segments",
     "context_of",
@@ -106,7 +106,7 @@ class Segment:
 
 
 @dataclass
-class Replica:
+class AnchoredForm:
     """What a replica needs of the anchored form: xₐ, its version, C, and the context it holds."""
 
     anchor: torch.Tensor  # float32 (d,)
@@ -179,8 +179,8 @@ def step_counts(
 
 
 def apply_segments(
-    replica: Replica, segments: list[Segment], ends: list[int], limit: int
-) -> tuple[Replica, torch.Tensor]:
+    replica: AnchoredForm, segments: list[Segment], ends: list[int], limit: int
+) -> tuple[AnchoredForm, torch.Tensor]:
     """The replica after ``segments`` and its x; ``replica`` is left as it was (the reference; host tensors).
 
     Raises :class:`flower_dlion.entropy.CodingError` for a payload that does not decode and
@@ -215,7 +215,7 @@ def apply_segments(
             anchor, anchor_version = x.clone(), version  # x may be trained on: the anchor is its own copy
             counts[:] = 0
     assert x is not None, "no segments"
-    return Replica(anchor, anchor_version, torch.from_numpy(counts), version, recent, recent_version, depth), x
+    return AnchoredForm(anchor, anchor_version, torch.from_numpy(counts), version, recent, recent_version, depth), x
 
 
 def _compact(counts: np.ndarray) -> np.ndarray:

@@ -36,9 +36,9 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import torch
 
-from . import codec, lion, quantizers
-from .lion import Aggregation
-from .uploads import Parsed, Shape, SignUpload, Upload
+from .. import codec, lion, quantizers
+from ..lion import Aggregation
+from ..uploads import Parsed, Shape, SignUpload, Upload
 
 __all__ = [
     "Aggregator",

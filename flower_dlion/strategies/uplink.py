@@ -7,7 +7,7 @@ calls it in this order:
 1. ``check_replies``: each reply's envelope, arrays, metrics, replica version and checksum
    (``check_reply``); for a refused one ``on_rejected`` decides whether its node needs the full model.
 2. ``aggregate_replies``: Δ of the valid uploads as levels with their broadcast bytes, by the one
-   function :func:`flower_dlion.server_delta.choose_aggregator` picked for the options (the math:
+   function :func:`flower_dlion.strategies.server_delta.choose_aggregator` picked for the options (the math:
    ``lion.aggregate``; for packed 1-bit signs its twin ``codec.aggregate_packed``). Nothing here
    computes Δ.
 3. ``apply``: x ← x − lr·(Δ + wd·x) (anchored: C ← C + Δ, x = γ·xₐ − η·C), combine the round's
@@ -35,6 +35,7 @@ from ..bounds import mean_buffers, median_momentum, moment_count, robust_buffers
 from ..coin_flips import CAUSES, WARN_ABOVE
 from ..protocol import (
     CLIENT_STATE_ERROR,
+    CLIENT_UPLOAD,
     EXPLAINED_FLIPS,
     MASKED_STYPE,
     METRICS,
@@ -42,7 +43,6 @@ from ..protocol import (
     OPTIONAL_REPLY_METRICS,
     REPLY_METRICS,
     SEED_MISMATCH,
-    UPLOAD,
     RejectedReply,
     check_envelope,
     float_array,
@@ -50,11 +50,11 @@ from ..protocol import (
     read_metrics,
 )
 from ..secure import masking
-from ..server_delta import Aggregator, choose_aggregator, counts_delta
 from ..uploads import Parsed, Shape, upload_kind
 from .options import OptionAttribute, Options
 from .replies import SECOND_REPLY, CheckedReplies, Reply
 from .run_stops import RunStopped
+from .server_delta import Aggregator, choose_aggregator, counts_delta
 from .server_state import Broadcast, Round, ServerState, Unmasked, ValidReply
 from .state_writes import Reported, StateWrites, note
 
@@ -193,13 +193,13 @@ class Uplink:
     def check_reply(self, msg: Message, rnd: Round) -> ValidReply:
         """Validate one reply; return it parsed, or raise RejectedReply."""
         node_id = msg.metadata.src_node_id
-        check_envelope(msg, rnd.sent.keys(), rnd.server_round, (UPLOAD, METRICS), optional=(NOTICE,))
+        check_envelope(msg, rnd.sent.keys(), rnd.server_round, (CLIENT_UPLOAD, METRICS), optional=(NOTICE,))
         content = msg.content
-        record = content[UPLOAD]
+        record = content[CLIENT_UPLOAD]
         expected = self._expected_arrays(rnd)
         if not isinstance(record, ArrayRecord) or set(record.keys()) != set(expected):
             got = sorted(record.keys()) if isinstance(record, ArrayRecord) else type(record).__name__
-            raise RejectedReply(f"'{UPLOAD}' must be an ArrayRecord holding {sorted(expected)}, got {got}")
+            raise RejectedReply(f"'{CLIENT_UPLOAD}' must be an ArrayRecord holding {sorted(expected)}, got {got}")
         floats = self._check_arrays(record, expected)
         d = self.model.num_parameters
         if "masked" in expected:  # uniform in Z_{2^b} whatever the signs: nothing more to check
@@ -290,7 +290,7 @@ class Uplink:
     def aggregate_replies(self) -> Aggregator:
         """The one function that turns a round's uploads into Δ, chosen once from the (read-only) options.
 
-        :func:`flower_dlion.server_delta.choose_aggregator`: the packed twin of ``lion.aggregate``
+        :func:`flower_dlion.strategies.server_delta.choose_aggregator`: the packed twin of ``lion.aggregate``
         for the 1-bit sign upload with an exact broadcast (the default), the definition on
         ``Upload.total``'s S for the other exact ones, error-feedback quantization otherwise.
         """
@@ -303,7 +303,7 @@ class Uplink:
         """Aggregate the valid replies into Δ and apply it to x; count the clipped scales in ``counts``.
 
         ``unmasked``: secure aggregation's counts of the replies' signs (bit planes), which then
-        give Δ (:func:`~flower_dlion.server_delta.counts_delta`) instead of the uploads, and in a
+        give Δ (:func:`~flower_dlion.strategies.server_delta.counts_delta`) instead of the uploads, and in a
         buffer round the mean of their buffers' moments (:func:`~flower_dlion.bounds.mean_buffers`).
 
         Also combines the round's momenta and buffers. Returns the share of tied coordinates, the

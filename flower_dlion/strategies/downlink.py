@@ -7,7 +7,7 @@ A node's message holds the round's config (:meth:`Downlink.round_config`) and, b
 knows of the node's replica (``ServerState.version_of``), one of:
 
 - nothing more (``kind = "none"``): its replica is at the current version;
-- the anchored downlink (:mod:`flower_dlion.downlink`, the default for a vote with exact
+- the anchored downlink (:mod:`flower_dlion.anchored_counts`, the default for a vote with exact
   broadcast): the smallest of the entropy-coded counts since its version, x₀'s seed and the
   counts since version 0, or the anchor xₐ and the counts since it (``_anchored_content``); an option
   that cannot be the smallest is never coded (``_anchored_choice``: no coding for in-sync nodes);
@@ -32,15 +32,15 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, Rec
 from flwr.supercore import log
 
 from .. import entropy
-from ..downlink import AnchoredHistory, Segment
+from ..anchored_counts import AnchoredHistory, Segment
 from ..params import layout_fingerprint, state_checksum
 from ..protocol import (
-    BROADCAST,
     CODED_STYPE,
     CONFIG,
     LEVELS_STYPE,
     MOMENTUM,
     REST,
+    SERVER_UPDATE,
     USER_CONFIG,
     message_bytes,
     to_array,
@@ -228,7 +228,7 @@ class Downlink:
         round_config.update({"kind": "full", "base-version": -1, "layout": layout_fingerprint(self.model.layout)})
         round_config["payload-crc"] = [rnd.base_checksum]  # the payload is x
         payload = ArrayRecord({"payload": to_array(self.model.x.numpy())})
-        content = RecordDict({CONFIG: round_config, BROADCAST: payload})
+        content = RecordDict({CONFIG: round_config, SERVER_UPDATE: payload})
         self._add_rest(content)
         return content, "full", 4 * self.model.num_parameters
 
@@ -266,7 +266,11 @@ class Downlink:
             round_config["scales"] = [v for b in chain for v in (b.scales if b.scales is not None else ones)]
         round_config["payload-crc"] = payload_crc(rnd, [b.payload for b in chain])
         array = Array(dtype="level", shape=(len(chain) * self.model.num_parameters,), stype=LEVELS_STYPE, data=payload)
-        return RecordDict({CONFIG: round_config, BROADCAST: ArrayRecord({"payload": array})}), "deltas", len(payload)
+        return (
+            RecordDict({CONFIG: round_config, SERVER_UPDATE: ArrayRecord({"payload": array})}),
+            "deltas",
+            len(payload),
+        )
 
     def _anchored_content(
         self, node_id: int, pid: int, have: int | None, round_config: ConfigRecord, rnd: Round
@@ -274,7 +278,7 @@ class Downlink:
         """The anchored downlink's message for one node: the smallest that brings it to x.
 
         The counts since its version, x₀'s seed and the counts since 0, or the anchor and the
-        counts since it (see :mod:`flower_dlion.downlink`).
+        counts since it (see :mod:`flower_dlion.anchored_counts`).
         """
         history = self.state.anchored
         assert history is not None
@@ -311,7 +315,7 @@ class Downlink:
         content = RecordDict({CONFIG: round_config})
         if records:
             round_config["payload-crc"] = payload_crc(rnd, parts)
-            content[BROADCAST] = ArrayRecord(records)
+            content[SERVER_UPDATE] = ArrayRecord(records)
         if kind == "full":
             self._add_rest(content)
         return content, "full" if kind == "full" else "counts", size
