@@ -447,7 +447,7 @@ def test_a_single_delta_segment_is_the_packed_delta_and_applies_like_its_code() 
     for t in range(4):
         levels = torch.randint(0, 3, (d,), generator=torch.Generator().manual_seed(t), dtype=torch.int32)
         h.apply_levels(levels, 3, codec.encode_levels(levels, 3).numpy().tobytes())
-    replica = anchored_counts.Replica(h.anchor.clone(), 0, torch.from_numpy(h.counts_at(3)), 3)
+    replica = anchored_counts.AnchoredForm(h.anchor.clone(), 0, torch.from_numpy(h.counts_at(3)), 3)
     # Execute
     (packed,) = h.segments(3)
     coded = h._segment(h.counts.numpy() - h.counts_at(3), h.epoch, 4, False, False, since=2)  # as if two Δs

@@ -195,7 +195,7 @@ def test_second_round_sends_the_packed_delta_that_gives_the_applied_x() -> None:
         assert counts.stype == "dlion.coded" and cfg["segment-bytes"] == [len(counts.data)] == [2]
         assert cfg["segment-levels"] == [3] and cfg["segment-context"] == [0]
         assert counts.data == codec.encode_levels(torch.from_numpy(vote + 1), 3).numpy().tobytes()
-        replica = anchored_counts.Replica(torch.from_numpy(X0.copy()), 0, torch.zeros(10, dtype=torch.int32), 0)
+        replica = anchored_counts.AnchoredForm(torch.from_numpy(X0.copy()), 0, torch.zeros(10, dtype=torch.int32), 0)
         segment = anchored_counts.Segment(
             1, cfg["segment-decay"][0], cfg["segment-step"][0], False, False, counts.data, 3
         )
