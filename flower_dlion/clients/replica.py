@@ -138,9 +138,9 @@ def _apply_anchored(content: RecordDict, node: NodeState | None, env: Apply) -> 
     kind, version, node_id = round_config["kind"], env.round.version, env.node_id
     m, error, rest = (env.zeros(), None, {}) if node is None else (node.m, node.error, node.rest)
     if kind == "full":  # the anchor, then the counts since it
-        anchor, _ = _full_x(content, env)
+        anchor, checksum = _full_x(content, env)  # its CRC-32 checked and computed once
         rest = _received_rest(content, env)
-        base = _anchor_replica(anchor, int(round_config["anchor-version"]), env)
+        base = _anchor_replica(anchor, int(round_config["anchor-version"]), env, checksum)
     elif "init-seed" in round_config:  # a new node, or one whose replica the server no longer trusts
         base, rest0 = _seeded(round_config, env, anchored=True)
         rest = rest if node is not None else rest0
@@ -178,9 +178,9 @@ def _apply_anchored(content: RecordDict, node: NodeState | None, env: Apply) -> 
     return NodeState(replica, m, error, rest, previous=previous, undo=undo)
 
 
-def _anchor_replica(anchor: np.ndarray, anchor_version: int, env: Apply) -> Replica:
-    """The replica at an anchor sent in full: x = xₐ, C = 0."""
-    checksum = crc32(anchor)
+def _anchor_replica(anchor: np.ndarray, anchor_version: int, env: Apply, checksum: int | None = None) -> Replica:
+    """The replica at an anchor sent in full (its CRC-32 if known): x = xₐ, C = 0."""
+    checksum = crc32(anchor) if checksum is None else checksum
     ident = (anchor_version, checksum, anchor_version, checksum)
     found = env.pool.find(ident)
     if found is not None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, partial
 from logging import WARNING
 from typing import TYPE_CHECKING
 
@@ -52,7 +52,7 @@ from ..protocol import (
 from ..secure import masking
 from ..uploads import Parsed, Shape, upload_kind
 from .options import OptionAttribute, Options
-from .replies import SECOND_REPLY, CheckedReplies, Reply
+from .replies import CheckedReplies, Reply, check_each
 from .run_stops import RunStopped
 from .server_delta import Aggregator, choose_aggregator, counts_delta
 from .server_state import Broadcast, Round, ServerState, Unmasked, ValidReply
@@ -177,17 +177,10 @@ class Uplink:
         return out
 
     def check_replies(self, replies: list[Reply], rnd: Round, counts: RoundCounts) -> CheckedReplies[ValidReply]:
-        """Each reply checked (:meth:`check_reply`): the valid ones parsed, the refused with why; see on_rejected."""
-        out: CheckedReplies[ValidReply] = CheckedReplies()
-        for reply in replies:
-            out.answered.add(reply.node_id)
-            try:
-                if reply.again:
-                    raise RejectedReply(SECOND_REPLY)
-                out.valid.append(self.check_reply(reply.msg, rnd))
-            except RejectedReply as err:
-                self.on_rejected(reply.msg, reply.node_id, reply.partition, err, reply.again, rnd, counts)
-                out.refused.append((reply, err))
+        """Each reply checked (:meth:`check_reply`), then what each refused one says of its node (on_rejected)."""
+        out = check_each(replies, partial(self.check_reply, rnd=rnd))
+        for reply, err in out.refused:
+            self.on_rejected(reply.msg, reply.node_id, reply.partition, err, reply.again, rnd, counts)
         return out
 
     def check_reply(self, msg: Message, rnd: Round) -> ValidReply:
