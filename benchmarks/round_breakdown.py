@@ -46,7 +46,7 @@ from flower_dlion.clients import dlion as dlion_client
 from flower_dlion.clients import state_store
 from flower_dlion.strategies import dlion as dlion_strategy
 from flower_dlion.strategies import downlink as server_downlink
-from flower_dlion.strategies import uplink
+from flower_dlion.strategies import reply_check
 from flower_dlion_app import metering, server_app
 from flower_dlion_app.clients import fedavg as fedavg_client
 from flower_dlion_app.clients import gradient as gradient_client
@@ -96,7 +96,7 @@ def instrument() -> None:
     for name in ("context_to_proto", "context_from_proto"):
         patch(local_grid, name, "client state (de)serialization")
     patch(local_grid, "_roundtrip", "message (de)serialization")
-    for mod in (server_downlink, uplink, metering):
+    for mod in (server_downlink, reply_check, metering):
         patch(mod, "message_bytes", "byte measurement")
     for cls in (dlion_strategy.DistributedLion, global_opt.GlobalOptimizer):
         patch(cls, "configure_train", "server strategy")

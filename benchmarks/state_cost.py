@@ -36,7 +36,18 @@ from flwr.common.serde import context_from_proto, context_to_proto
 from flwr.proto.message_pb2 import Context as ProtoContext  # pylint: disable=no-name-in-module
 
 from flower_dlion.clients.state import Expected, HostState, crc32
-from flower_dlion.clients.state_store import StateStore, load_state, save_state
+from flower_dlion.clients.state_store import StateStore
+
+
+def save_state(context: Context, host: HostState) -> None:
+    """Put ``host`` in ``context.state`` as a client stores it."""
+    StateStore(context, in_context=True, folder=None, as_of=-1, keep_round=0).save(host)
+
+
+def load_state(context: Context) -> HostState | None:
+    """The state in ``context.state``, loaded and checked as a client loads it."""
+    d = int(context.state["dlion.state"]["m"].shape[0]) if "dlion.state" in context.state else 0
+    return StateStore(context, in_context=True, folder=None, as_of=-1, keep_round=0).load(Expected(d, "", "", {}), 1)
 
 
 def host_state(d: int, dtype: str) -> HostState:

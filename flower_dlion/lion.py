@@ -29,6 +29,7 @@ __all__ = [
     "aggregate",
     "anchored",
     "apply_update_",
+    "check_hyperparameters",
     "cosine_decay",
     "direction",
     "lion_step_",
@@ -42,6 +43,17 @@ __all__ = [
 MAX_DECAY = 0.5  # lr·wd·K at most: a round keeps at least half of x (the server's options, the clients' range checks)
 Aggregation = Literal["vote", "mean"]
 Perturb = Callable[[torch.Tensor], object]  # in place: v ← v + σ·ξ before a sign (flower_dlion.stochastic)
+
+
+def check_hyperparameters(*, lr: float, weight_decay: float, betas: dict[str, float]) -> None:
+    """Raise ``ValueError`` (torch.optim's wording) for a bad learning rate, decay or beta (every strategy's check)."""
+    if not (math.isfinite(lr) and lr > 0.0):
+        raise ValueError(f"Invalid learning rate: {lr} (must be finite and > 0)")
+    if not (math.isfinite(weight_decay) and weight_decay >= 0.0):
+        raise ValueError(f"Invalid weight_decay value: {weight_decay} (must be finite and >= 0)")
+    for name, beta in betas.items():
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"Invalid {name} parameter: {beta} (must be in [0, 1))")
 
 
 def direction(m: torch.Tensor, g: torch.Tensor, beta1: float) -> torch.Tensor:

@@ -74,17 +74,7 @@ latest checkpoint: keep the state of that round on disk).
 Versions count the Δs applied to x since the start. ``checksum`` is the CRC-32 of the
 client's replica (float32 bytes) at ``version``, the point where it computed δ.
 
-The gradient baselines (global Lion, global AdamW, TernGrad; ``strategies/global_opt.py``)::
-
-    server → client  "grad.config"  ConfigRecord  server-round, encoding ("fp32" | "terngrad"),
-                                                  batch-size, seed, layout
-                     "grad.model"   ArrayRecord   one Array "x": the full model, float32 (d,)
-    client → server  "grad.update"  ArrayRecord   one Array "payload": the gradient as float32 (d,),
-                                                  or TernGrad (stype "terngrad.v1"): T float32
-                                                  scalers, then the d trits, 5 per byte
-                     "grad.metrics" MetricRecord  num-examples, train-loss
-
-FedAvg uses Flower's own ``FedAvg`` messages ("arrays", "config"; reply "arrays", "metrics").
+Other strategies (an app's own baselines: SCAFFOLD, gradient averaging) keep their messages to themselves.
 """
 
 from __future__ import annotations
@@ -99,7 +89,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from flwr.app import Array, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, no_object_id_recompute
 
@@ -110,12 +100,7 @@ __all__ = [
     "CLIENT_UPLOAD",
     "CODED_STYPE",
     "CONFIG",
-    "CONTROL",
     "EXPLAINED_FLIPS",
-    "GRAD_CONFIG",
-    "GRAD_METRICS",
-    "GRAD_MODEL",
-    "GRAD_UPDATE",
     "HELLO",
     "HELLO_ACTION",
     "LEVELS_STYPE",
@@ -131,7 +116,6 @@ __all__ = [
     "SERVER_UPDATE",
     "SIGN_STYPE",
     "STATE_KEY",
-    "TERNGRAD_STYPE",
     "USER_CONFIG",
     "ClientStateError",
     "RejectedReply",
@@ -144,6 +128,8 @@ __all__ = [
     "message_bytes",
     "npy_bytes",
     "read_metrics",
+    "read_notice",
+    "read_upload",
     "sync_prefixes",
     "to_array",
 ]
@@ -158,7 +144,6 @@ HELLO = "hello"
 HELLO_ACTION = "dlion"  # the hello is a "query.dlion" message: a user's own query handler stays free
 REST = "dlion.rest"
 USER_CONFIG = "config"  # the ServerApp's train_config, where Flower's FedAvg puts it
-CONTROL = "control"  # SCAFFOLD (strategies/scaffold.py): c server → client, Δcᵢ client → server
 CLIENT_STATE_ERROR = "ClientStateError"  # in a client's error reason when its replica cannot serve a message
 SEED_MISMATCH = "x0 built from seed"  # in a client's error when its x₀ differs from the server's
 SIGN_STYPE = "dlion.sign1"
@@ -179,13 +164,6 @@ REPLY_METRICS = ("num-examples", "train-loss", "version", "checksum")
 EXPLAINED_FLIPS = ("coin-flips-tensor", "coin-flips-share", "coin-flips-cause")  # flower_dlion.coin_flips
 OPTIONAL_REPLY_METRICS = ("coin-flips", "context", *EXPLAINED_FLIPS)
 STATE_KEY = re.compile(r"[A-Za-z0-9_-]{1,64}")  # a run's key names its clients' state folder: no separators, no ".."
-
-
-GRAD_CONFIG = "grad.config"
-GRAD_MODEL = "grad.model"
-GRAD_UPDATE = "grad.update"
-GRAD_METRICS = "grad.metrics"
-TERNGRAD_STYPE = "terngrad.v1"
 
 
 class ClientStateError(RuntimeError):
@@ -402,3 +380,58 @@ def message_bytes(message: Message) -> int:
             size = sum(len(obj.deflate()) for obj in get_all_nested_objects(message).values())
         _SIZES[message] = size
     return size
+
+
+def read_upload(content: RecordDict, expected: dict[str, tuple[str, str, int]], d: int) -> dict[str, torch.Tensor]:
+    """Check a reply's :data:`CLIENT_UPLOAD` record, each array; return its float32 arrays, decoded.
+
+    ``expected``: array name → (stype, dtype, bytes) of the arrays the record must hold, all
+    of them and no other. A float32 array (scales, momenta, buffers) must have exactly its
+    shape and size and finite values (scales: none negative); another, its stype and dtype,
+    shape ``(d,)`` (uint64: one value per 8 bytes) and its bytes. A shape that fits another
+    model is final (the node is left out of sampling).
+    """
+    record = content[CLIENT_UPLOAD]
+    if not isinstance(record, ArrayRecord) or set(record.keys()) != set(expected):
+        got = sorted(record.keys()) if isinstance(record, ArrayRecord) else type(record).__name__
+        raise RejectedReply(f"'{CLIENT_UPLOAD}' must be an ArrayRecord holding {sorted(expected)}, got {got}")
+    floats = {}
+    for name, (stype, dtype, nbytes) in expected.items():
+        arr = record[name]
+        if not isinstance(arr, Array):
+            raise RejectedReply(f"{name!r} is a {type(arr).__name__}, expected an Array")
+        if dtype == "float32":
+            if arr.dtype == "float32" and (got := tuple(arr.shape)) != (nbytes // 4,):  # another model's: final
+                raise RejectedReply(f"Array {name!r} shape {got}, expected {(nbytes // 4,)}", final=True)
+            a = torch.from_numpy(float_array(arr, (nbytes // 4,), name).copy())
+            if not bool(torch.isfinite(a).all()) or (name == "scales" and bool((a < 0).any())):
+                raise RejectedReply(f"Array {name!r} has non-finite{' or negative' if name == 'scales' else ''} values")
+            floats[name] = a
+            continue
+        if arr.stype != stype or arr.dtype != dtype:
+            raise RejectedReply(
+                f"Array {name!r} has stype {arr.stype!r} dtype {arr.dtype!r}, expected {stype!r} {dtype!r}"
+            )
+        shape = (nbytes // 8,) if dtype == "uint64" else (d,)
+        if tuple(arr.shape) != shape:  # the node's model has another layout
+            raise RejectedReply(f"Array {name!r} shape {tuple(arr.shape)}, expected {shape}", final=True)
+        if len(arr.data) != nbytes:
+            raise RejectedReply(f"Array {name!r} has {len(arr.data)} bytes, expected {nbytes} for d={d}")
+    return floats
+
+
+def read_notice(msg: Message) -> WriteFailure | RejectedReply | None:
+    """The failed state write a reply reports (read whatever the reply's check finds), None where it reports none.
+
+    In an error reply's reason (:meth:`WriteFailure.find`), else in its :data:`NOTICE` record
+    (:meth:`WriteFailure.from_record`, the sender's node id); a malformed record gives the
+    RejectedReply that says what is wrong with it (the reply itself is judged on its own).
+    """
+    if msg.has_error():
+        return WriteFailure.find(msg.error.reason)
+    if NOTICE not in msg.content:
+        return None
+    try:
+        return WriteFailure.from_record(msg.metadata.src_node_id, msg.content[NOTICE])
+    except RejectedReply as err:
+        return err

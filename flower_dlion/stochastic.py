@@ -24,7 +24,7 @@ from functools import partial
 
 import torch
 
-__all__ = ["NOISE_KINDS", "NOISE_LIMIT", "Perturb", "expected_sign", "perturb_", "perturber"]
+__all__ = ["NOISE_KINDS", "NOISE_LIMIT", "Perturb", "perturb_", "perturber"]
 
 NOISE_KINDS = ("uniform", "gaussian")
 NOISE_LIMIT = 100.0  # τ beyond this is noise alone: refused
@@ -57,12 +57,3 @@ def perturber(sizes: Sequence[int], tau: float, kind: str, generator: torch.Gene
     if tau == 0.0:
         return None
     return partial(perturb_, sizes=list(sizes), tau=tau, kind=kind, generator=generator)
-
-
-def expected_sign(v: torch.Tensor, sigma: float, kind: str) -> torch.Tensor:
-    """``E[sign(v + σξ)]`` for the noise ``kind`` (the docstring's formulas), for tests and notes."""
-    if kind == "uniform":
-        return (v / sigma).clamp(-1.0, 1.0)
-    if kind == "gaussian":
-        return torch.erf(v / (sigma * 2.0**0.5))
-    raise ValueError(f"noise kind must be one of {NOISE_KINDS}, got {kind!r}")

@@ -23,7 +23,7 @@ from typing import Any
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
-from flower_dlion.clients.dlion import ClientSettings, DLionClient, Tamper
+from flower_dlion.clients.dlion import ClientSettings, DLionClient, UploadHook
 from flower_dlion_app.clients import fedavg, gradient
 from flower_dlion_app.clients.attacks import attacker
 from flower_dlion_app.clients.common import PartitionBatches, byzantine, inject_failure, partition_id
@@ -67,7 +67,7 @@ app = ClientApp()
 dlion = FashionMNISTClient(app, Net)
 
 
-def tamper_for(settings: dict[str, Any], context: Context) -> Tamper | None:
+def tamper_for(settings: dict[str, Any], context: Context) -> UploadHook | None:
     """The fault study's attacker (``clients/attacks.py``) on a Byzantine node; None on an honest one."""
     if not byzantine(settings, *partition_id(context)):
         return None

@@ -17,7 +17,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from flower_dlion import DLionClient
-from flower_dlion_app.data import load_fashion_mnist, partition_indices, to_tensor
+
+from . import fashion
 
 
 class ByomNet(nn.Module):
@@ -45,14 +46,14 @@ class ByomNet(nn.Module):
 @functools.cache
 def partition(pid: int, num_partitions: int) -> TensorDataset:
     """One Dirichlet(0.5) partition of the Fashion-MNIST training set."""
-    ds = load_fashion_mnist()
-    rows = partition_indices(ds.y_train, partitioner="dirichlet", num_partitions=num_partitions, alpha=0.5)[pid]
-    return TensorDataset(to_tensor(ds.x_train[rows]), torch.from_numpy(ds.y_train[rows]))
+    ds = fashion.load()
+    rows = fashion.dirichlet_partitions(num_partitions, alpha=0.5)[pid]
+    return TensorDataset(fashion.to_tensor(ds.x_train[rows]), torch.from_numpy(ds.y_train[rows]))
 
 
 def test_set(n: int = 2000) -> tuple[torch.Tensor, torch.Tensor]:
-    ds = load_fashion_mnist()
-    return to_tensor(ds.x_test[:n]), torch.from_numpy(ds.y_test[:n])
+    ds = fashion.load()
+    return fashion.to_tensor(ds.x_test[:n]), torch.from_numpy(ds.y_test[:n])
 
 
 def accuracy(model: nn.Module) -> float:

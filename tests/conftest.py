@@ -8,6 +8,11 @@ import pytest
 import torch
 from flwr.supercore.task_identity import TaskIdentity
 
+from .no_app import block_app, blocked
+
+if blocked():  # FLOWER_DLION_NO_APP=1: the library's tests without the app (tests/no_app.py)
+    block_app()
+
 if not torch.cuda.is_available():  # Triton kernels run in Triton's interpreter on CPU tensors (set before its import)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

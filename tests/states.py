@@ -12,8 +12,9 @@ from flwr.app import Context, RecordDict
 from flower_dlion.clients.placement import Placement
 from flower_dlion.clients.replica import Apply, apply_message
 from flower_dlion.clients.resident import NodeState, Replica, ReplicaPool
-from flower_dlion.clients.state import HostState, crc32, read_state_header
-from flower_dlion.clients.state_store import load_state
+from flower_dlion.clients.state import STATE_META, HostState, crc32
+from flower_dlion.clients.state_store import STATE_WHERE, StateStore, read_state_header, wait_for_writes
+from flower_dlion.lion import anchored
 from flower_dlion.params import ModelSpec
 from flower_dlion.protocol import CONFIG
 from flower_dlion.round_records import RoundConfig
@@ -37,6 +38,35 @@ class View:
     host: HostState
 
 
+def load_state(context: Context) -> HostState | None:
+    """The state a node keeps (``context.state``, or the files it names), as stored, with x.
+
+    Not checked (``check_state`` is what a client applies); None where there is none.
+    """
+    where = context.state[STATE_WHERE] if STATE_WHERE in context.state else None
+    folder = Path(str(where["folder"])) if where is not None and STATE_META not in context.state else None
+    store = StateStore(context, in_context=folder is None, folder=folder, as_of=-1, keep_round=0)
+    if folder is not None:
+        wait_for_writes()
+        found = store._newest_file()
+        host = None if found is None else store._from_file(found[1])
+    elif store._use_context():
+        host = store._from_context(0)
+    else:
+        return None
+    if host is None:
+        return None
+    if host.x is None and host.anchor is not None and host.counts is not None:
+        counts = torch.from_numpy(host.counts.astype(np.int32))
+        host.x = anchored(torch.from_numpy(host.anchor), counts, host.decay, host.step).numpy()
+    return host
+
+
+def save_state(context: Context, host: HostState) -> None:
+    """Put ``host`` in ``context.state`` as a client stores it (with a new stamp)."""
+    StateStore(context, in_context=True, folder=None, as_of=-1, keep_round=0).save(host)
+
+
 def load(context: Context) -> View | None:
     """The node's state in ``context.state`` (None: none)."""
     host = load_state(context)
@@ -58,8 +88,8 @@ def load(context: Context) -> View | None:
 def node_at(x: np.ndarray, version: int = 0, m: torch.Tensor | None = None) -> NodeState:
     """A node whose replica is ``x`` (the chain downlink's form) at ``version``."""
     x = np.ascontiguousarray(x, dtype=np.float32)
-    replica = Replica(version, torch.from_numpy(x.copy()), crc32(x))
-    return NodeState(replica, torch.zeros(x.size) if m is None else m)
+    replica = Replica(version=version, x=torch.from_numpy(x.copy()), checksum=crc32(x))
+    return NodeState(replica=replica, m=torch.zeros(x.size) if m is None else m)
 
 
 def apply(content: RecordDict, node: NodeState | None, spec: ModelSpec, node_id: int = 1) -> NodeState:
@@ -72,7 +102,7 @@ def replica_after(content: RecordDict, context: Context, spec: ModelSpec, node_i
     """The x a client whose state is in ``context`` holds after applying ``content``."""
     host = load_state(context)
     pool, placement = ReplicaPool(), Placement(CPU)
-    node = None if host is None else placement.host_to_node(host, pool)
+    node = None if host is None else NodeState.from_host(host, pool, placement)
     env = Apply(placement, pool, spec, node_id, RoundConfig.parse(content[CONFIG], node_id))
     return apply_message(content, node, env).replica.x
 

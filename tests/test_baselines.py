@@ -8,8 +8,9 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from flower_dlion import codec, lion, quantizers
-from flower_dlion.protocol import GRAD_METRICS, GRAD_UPDATE, TERNGRAD_STYPE, bits_array, message_bytes
+from flower_dlion.protocol import bits_array, message_bytes
 from flower_dlion_app.clients.gradient import encode_terngrad
+from flower_dlion_app.protocol import GRAD_METRICS, GRAD_UPDATE, TERNGRAD_STYPE
 from flower_dlion_app.strategies import GlobalOptimizer
 
 from .test_strategy import StubGrid

@@ -22,6 +22,7 @@ from flower_dlion_app.config import read_config
 from flower_dlion_app.model import Net, flat_parameters, seeded_net
 from flower_dlion_app.server_app import build_strategy
 
+from .replies import with_arrays
 from .states import apply, load, node_at, replica_after
 from .test_strategy import X0, StubGrid, first_round, signs_reply
 
@@ -147,12 +148,6 @@ def levels_reply(instruction: Message, levels: list[int], num_levels: int) -> Me
         RecordDict({CLIENT_UPLOAD: ArrayRecord({"levels": array}), METRICS: MetricRecord(metrics)}),
         reply_to=instruction,
     )
-
-
-def with_arrays(instruction: Message, reply: Message, **arrays: Array) -> Message:
-    """A reply to ``instruction`` with the content of ``reply`` plus more Arrays in its delta record."""
-    record = ArrayRecord({**dict(reply.content[CLIENT_UPLOAD].items()), **arrays})
-    return Message(RecordDict({CLIENT_UPLOAD: record, METRICS: reply.content[METRICS]}), reply_to=instruction)
 
 
 def test_integer_sum_upload_with_mean_applies_the_mean_of_the_sums() -> None:

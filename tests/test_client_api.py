@@ -25,9 +25,6 @@ from flower_dlion.clients.state import STATE_ARRAYS, STATE_REST, ClientStateErro
 from flower_dlion.clients.state_store import STATE_WHERE
 from flower_dlion.params import Entry, ModelSpec
 from flower_dlion.testing import LocalGrid
-from flower_dlion_app.client_app import app as repo_app
-from flower_dlion_app.config import read_config
-from flower_dlion_app.server_app import run_federation
 
 from . import byom
 from .byom import ByomNet
@@ -408,19 +405,6 @@ def test_federated_evaluation_sends_flowers_own_evaluate_messages() -> None:
     model = ByomNet()
     model.load_state_dict(result.arrays.to_torch_state_dict())
     assert result.evaluate_metrics_clientapp[2]["accuracy"] == pytest.approx(byom.accuracy(model))
-
-
-# ---------------------------------------------------------------- the repository's app on the same API
-def test_the_repository_app_runs_on_one_node_when_the_run_config_says_so(tmp_path: Path) -> None:
-    # Prepare
-    cfg = {"num-server-rounds": 2, "min-available-nodes": 1, "min-train-nodes": 1, "results-dir": str(tmp_path)}
-    # Execute
-    result = run_federation(LocalGrid(repo_app, 1, run_config=cfg), cfg, save_model=False)
-    # Assert
-    assert sorted(result.train_metrics_clientapp) == [1, 2]
-    assert all(m["num-replies"] == 1 for m in result.train_metrics_clientapp.values())
-    with pytest.raises(ValueError, match="run-config 'min-available-nodes' must be >= 1, got 0"):
-        read_config({"min-available-nodes": 0})
 
 
 def test_an_empty_batch_source_is_a_clear_error(caplog: pytest.LogCaptureFixture) -> None:

@@ -26,15 +26,8 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
 from flower_dlion import DistributedLion
-from flower_dlion.clients.state import (
-    ClientStateError,
-    HostState,
-    crc32,
-    read_state_file,
-    read_state_header,
-    write_state_file,
-)
-from flower_dlion.clients.state_store import StateStore
+from flower_dlion.clients.state import ClientStateError, HostState, crc32
+from flower_dlion.clients.state_store import StateStore, read_state_file, read_state_header, write_state_file
 from flower_dlion.protocol import CONFIG, HELLO, HELLO_ACTION, SERVER_UPDATE
 from flower_dlion.round_records import RoundConfig
 from flower_dlion.testing import LocalGrid

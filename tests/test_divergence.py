@@ -15,10 +15,7 @@ from flower_dlion.strategies.divergence import (
     report,
     update,
 )
-from flower_dlion.testing import LocalGrid
-from flower_dlion_app.client_app import app as client_app
 
-from .test_federation import RUN_CONFIG, run_rounds
 from .test_strategy import SIGNS, StubGrid, first_round, signs_reply
 
 NAN = math.nan
@@ -252,19 +249,3 @@ def test_a_resumed_strategy_goes_on_with_the_minimum_and_the_streak(caplog: pyte
         "round 3: divergence: train-loss above divergence_factor × its running minimum for 2 rounds in a row: "
         "train-loss 7, running minimum 0.5,"
     )
-
-
-# ------------------------------------------------------------------ a real run
-def test_an_honest_run_with_the_defaults_never_warns(caplog: pytest.LogCaptureFixture) -> None:
-    # Prepare: three rounds of two clients on Fashion-MNIST through the real ClientApp
-    grid = LocalGrid(client_app, 2, run_config=RUN_CONFIG)
-    strategy = DistributedLion(lr=0.01)
-    caplog.set_level(logging.WARNING, logger="flwr")
-    # Execute
-    run_rounds(strategy, grid, 3)
-    # Assert: no warning, and the watch holds the lowest of the rounds' losses
-    losses = [h["train-loss"] for h in strategy.history]
-    assert len(losses) == 3 and all(0.0 < v < 10.0 for v in losses)
-    assert "divergence" not in caplog.text
-    assert strategy.divergence.minimum == min(losses)
-    assert strategy.divergence.streak == 0

@@ -18,8 +18,8 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord
 
 from flower_dlion import codec
-from flower_dlion.clients.state import crc32, read_state_file
-from flower_dlion.clients.state_store import STATE_WHERE, save_state
+from flower_dlion.clients.state import crc32
+from flower_dlion.clients.state_store import STATE_WHERE, read_state_file
 from flower_dlion.lion import anchored
 from flower_dlion.protocol import CLIENT_UPLOAD
 from flower_dlion.strategies import DistributedLion
@@ -33,7 +33,7 @@ from flower_dlion_app.config import read_config
 from flower_dlion_app.model import Net, flat_parameters
 from flower_dlion_app.server_app import run_federation
 
-from .states import load, newest_file, rounds_in
+from .states import load, newest_file, rounds_in, save_state
 from .test_federation import LR, RUN_CONFIG, WD, gradient, initial_arrays, run_rounds, sync_replicas
 from .test_strategy import SIGNS, StubGrid, expected_x, first_round, signs_reply
 

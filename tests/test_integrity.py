@@ -19,14 +19,13 @@ from flwr.app import ConfigRecord, Message
 from flwr.common.serde import context_to_proto
 
 from flower_dlion.clients.state import crc32
-from flower_dlion.clients.state_store import save_state
 from flower_dlion.lion import anchored
 from flower_dlion.protocol import CONFIG, SERVER_UPDATE
 from flower_dlion.strategies import DistributedLion
 from flower_dlion.testing import LocalGrid
 from flower_dlion_app.client_app import app as client_app
 
-from .states import load
+from .states import load, save_state
 from .test_federation import LR, RUN_CONFIG, WD, initial_arrays
 
 IN_SYNC, RESYNCED, BEHIND = 1000, 1001, 1002  # in round 3: one Δ; the full model or x₀'s seed; two rounds' Δs

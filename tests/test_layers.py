@@ -115,14 +115,3 @@ def test_the_library_never_imports_the_repository_app(path: Path) -> None:
     app = [(line, name) for line, name in _imports_anything(path) if name.split(".")[0] == "flower_dlion_app"]
     # Assert
     assert not app, f"{path.relative_to(PACKAGE.parent)} imports the repository's app: {app}"
-
-
-def test_the_app_holds_what_is_not_the_library() -> None:
-    # Assert: the app, its baselines and the harness are in flower_dlion_app/, none left in the library
-    names = ["server_app.py", "client_app.py", "data.py", "model.py", "config", "results.py", "metering.py"]
-    names += ["checkpoint.py", "deploy.py", "study", "clients/fedavg.py", "clients/gradient.py"]
-    names += ["clients/attacks.py", "clients/common.py", "strategies/global_opt.py", "strategies/scaffold.py"]
-    for name in names:
-        assert (APP / name).exists() and not (PACKAGE / name).exists(), name
-    # the in-process grid is the library's testing helper (flower_dlion.testing), for users' tests too
-    assert (PACKAGE / "testing.py").exists() and not (APP / "local_grid.py").exists()

@@ -29,17 +29,17 @@ def test_the_strategy_holds_its_links_and_they_share_its_options_and_state() -> 
     assert strategy.up.state is strategy.state and strategy.down.state is strategy.state
 
 
-def test_the_views_read_the_strategys_current_model_and_nodes() -> None:
+def test_the_links_share_the_strategys_global_model_and_read_its_nodes() -> None:
     # Prepare
     strategy = DistributedLion()
     model, nodes = strategy.up.model, strategy.down.nodes
-    assert model is strategy.down.model and model.x is None
+    assert model is strategy.down.model is strategy.check.model is strategy.model and model.x is None
     # Execute
     first_round(strategy, [1, 2])
     strategy.checkpoint_round = 7
     # Assert
     assert model.x is strategy.x and model.num_parameters == 10 and model.sizes == [6, 4]
-    assert model.scale_sizes == [6, 4] and model.rest is strategy._rest
+    assert model.scale_sizes(0) == [6, 4] and model.rest == {}
     assert nodes.checkpoint_round == 7 and nodes.run_key == strategy.run_key and nodes.partition_of(2) == 2
 
 
@@ -47,7 +47,7 @@ def test_the_uplink_returns_the_chain_delta_and_the_strategy_hands_it_to_the_dow
     # Prepare
     strategy = DistributedLion(aggregation="vote", lr=0.1, weight_decay=0.5, downlink="chain")
     sent = first_round(strategy, [1, 2, 3])
-    valid = [strategy.up.check_reply(signs_reply(sent[n], SIGNS[n - 1]), strategy._round) for n in (1, 2, 3)]
+    valid = [strategy.check.check_reply(signs_reply(sent[n], SIGNS[n - 1]), strategy._round).outcome for n in (1, 2, 3)]
     counts = RoundCounts()
     # Execute: the uplink alone applies Δ and keeps nothing for the downlink itself
     outcome = strategy.up.apply(valid, strategy._round, counts)  # type: ignore[arg-type]

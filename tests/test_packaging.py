@@ -59,13 +59,3 @@ def test_the_library_declares_what_it_imports_and_nothing_of_the_app() -> None:
     assert set(needed) - base - fast == set(), {d: needed[d] for d in set(needed) - base - fast}
     assert base - set(needed) == set()
     assert base == {"flwr", "torch", "numpy", "constriction", "cryptography"}
-
-
-def test_the_app_extra_brings_what_the_app_imports_beyond_the_library() -> None:
-    # Prepare
-    needed = set(third_party_imports("flower_dlion_app")) - NOT_DECLARED
-    base, app = declared(PYPROJECT["dependencies"]), declared(PYPROJECT["optional-dependencies"]["app"])
-    dev = declared(PYPROJECT["optional-dependencies"]["dev"])
-    # Assert: the app's imports are in the library's dependencies or the `app` extra; dev installs the app too
-    assert needed - base - app == set()
-    assert app <= dev and declared(PYPROJECT["optional-dependencies"]["lm"]) <= dev

@@ -46,7 +46,8 @@ from flower_dlion.clients.placement import Crossings, Placement
 from flower_dlion.clients.resident import Replica
 from flower_dlion.protocol import CLIENT_UPLOAD, CONFIG
 from flower_dlion.testing import LocalGrid
-from flower_dlion_app.model import Net
+
+from .models import Net
 
 D = 281_034  # the default CNN's trainable values
 CPU = torch.device("cpu")
@@ -174,11 +175,11 @@ def test_a_replica_crosses_to_the_host_once() -> None:
     place = Placement(CPU)
     x = torch.linspace(-1, 1, 10)
     # Execute: a new replica (x for its CRC), then its x and counts asked for twice
-    replica = place.new_replica(x, 3)
+    replica = Replica.of(x, 3, place)
     replica.counts = torch.zeros(10, dtype=torch.int32)
     for _ in range(2):
-        place.replica_on_host(replica, "x")
-        place.replica_on_host(replica, "counts")
+        replica.on_host("x", place)
+        replica.on_host("counts", place)
     # Assert: x crossed once (for the CRC), the counts once
     assert isinstance(replica, Replica)
     assert place.crossings.take().to_host == {"x-crc": 40, "counts": 40}

@@ -11,12 +11,12 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
-from flower_dlion.protocol import CONTROL
 from flower_dlion.testing import LocalGrid
 from flower_dlion_app.client_app import app as client_app
 from flower_dlion_app.clients.fedavg import OWN_CONTROL
 from flower_dlion_app.config import read_config
 from flower_dlion_app.model import seeded_net
+from flower_dlion_app.protocol import CONTROL
 from flower_dlion_app.server_app import build_strategy, run_federation, train_config
 from flower_dlion_app.strategies.scaffold import Scaffold
 from tests.test_data_config import fake_fashion_dir

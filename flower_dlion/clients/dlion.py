@@ -12,12 +12,16 @@ residual, versions, catch-up, checksums, packing, the device, the state between 
         trainloader, _ = load_data(context.node_config["partition-id"], context.node_config["num-partitions"])
         return dlion.train(msg, context, trainloader)
 
-One ``train`` message, in order (:meth:`DLionClient.train`):
+One ``train`` message, in order (:meth:`DLionClient.train`), after it opens the node's state
+(:func:`.state_home.open_state`, the one door to it: resident, else its persisted copy):
 
-1. bring the replica x to the server's version (:func:`replica.apply_message`: the full model,
+1. bring the replica x to the server's version (:meth:`.state_home.OpenState.catch_up` →
+   :func:`replica.apply_message`, its form chosen once from the message: the full model,
    x₀ from a seed, or the Δs it missed, ``x ← x − lr·(Δ + wd·x)`` as the server applied them);
    age the momentum of a node that missed rounds (``stale-momentum``: keep, decay, reset);
-   adopt the synced momentum if the server sent one (refused unless finite and within ±10⁶);
+   adopt the synced momentum if the server sent one (refused unless finite and within ±10⁶)
+   (this and steps 2–3: :func:`.local_work.run_round`, which runs the round's
+   :func:`.local_work.local_step`, chosen once from its options);
 2. K = ``local-steps`` Lion steps (``lion.local_steps_``) on a copy of x, each on the mean gradient
    of ``accumulate`` batches from ``batches``; U = Σₖ δₖ (K = 1: plain D-Lion, δ = sign(β₁·m + (1−β₁)·g),
    m ← β₂·m + (1−β₂)·g); or K SGD steps and one Lion step on their change (``local-optimizer = "sgd"``);
@@ -28,8 +32,9 @@ One ``train`` message, in order (:meth:`DLionClient.train`):
    secure aggregation, the signs under the round's pairwise masks (:mod:`.secure_client`);
 4. reply with it, the loss, the number of examples, the replica's version and checksum (and
    the momentum or the buffers in the rounds that sync them);
-5. keep the node's state for the next round: on the device (:class:`resident.Residents`, where the
-   process lives on) and persisted on the host (:class:`state.StateStore`: ``context.state`` or a
+5. keep the node's state for the next round (:meth:`.state_home.OpenState.keep`): on the device
+   (:class:`resident.Residents`, where the process lives on) and persisted on the host
+   (:class:`.state_store.StateStore`: ``context.state`` or a
    file; the resident state is used only while the persisted copy is still the one it wrote); a
    file that could not be written is said in the node's next reply (:mod:`.state_writes`).
 
@@ -47,7 +52,6 @@ from __future__ import annotations
 import logging
 import secrets
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -57,48 +61,37 @@ from flwr.clientapp import ClientApp
 from torch import nn
 
 from ..coin_flips import EXPLAIN_ABOVE, explain
-from ..params import Binding, LossFn, cross_entropy_loss, layout_fingerprint
-from ..protocol import (
-    CLIENT_UPLOAD,
-    HELLO,
-    HELLO_ACTION,
-    METRICS,
-    OTHER_APP,
-    SECURE,
-    to_array,
-)
+from ..params import Binding, LossFn, cross_entropy_loss
+from ..protocol import CLIENT_UPLOAD, HELLO, HELLO_ACTION, METRICS, OTHER_APP, SECURE
 from ..round_records import ReplyMetrics, RoundConfig, hello_keys
 from . import in_process
 from .app_source import foreign_code
+from .hooks import Tamper, UploadHook
 from .in_process import PROCESS_LOCAL
-from .link import ContextChoice, DecodeCost
-from .local_work import LocalWork, Tamper, adopt_momentum, age_momentum, round_generator, round_seed, upload_arrays
+from .link import ContextChoice, DecodeCost, node_choice
+from .local_work import run_round
 from .placement import Placement
-from .replica import Apply, apply_message
-from .resident import NodeState, ReplicaPool, Residents, device_memory
+from .replica import Apply
+from .resident import Device, ReplicaPool, Residents, device_memory
 from .secure_client import answer_query, check_train, mask_upload
-from .settings import MAX_BATCHES, ClientSettings, DeviceMemoryError, positive, resolve_device
-from .state import ClientStateError, Expected
-from .state_home import check_fits, node_store
-from .state_store import StateStore, wait_for_writes
-from .state_writes import said, tell
+from .settings import MAX_BATCHES, ClientSettings, DeviceMemoryError, resolve_device
+from .state import ClientStateError
+from .state_home import open_state
+from .state_store import wait_for_writes
 
-__all__ = ["ClientSettings", "ClientStateError", "DLionClient", "DeviceMemoryError", "Tamper", "resolve_device"]
+__all__ = [
+    "ClientSettings",
+    "ClientStateError",
+    "DLionClient",
+    "DeviceMemoryError",
+    "Tamper",
+    "UploadHook",
+    "resolve_device",
+]
 
 logger = logging.getLogger("flower_dlion")
 
 RESIDENT_SHARE = 0.25  # of the device's memory (the host's for the CPU) that resident node states may take by default
-
-
-@dataclass
-class _Device:
-    """What a client holds per compute device: the model, the crossing to the host, the replicas, the residents."""
-
-    bound: Binding
-    placement: Placement
-    pool: ReplicaPool
-    residents: Residents
-    grad: torch.Tensor | None = None  # the flat gradient's buffer, reused every step
 
 
 class DLionClient:
@@ -158,10 +151,16 @@ class DLionClient:
         self.model_fn = model_fn
         self.loss_fn: LossFn = loss_fn or cross_entropy_loss
         self._settings = ClientSettings(
-            device, state_dir, state_in_context, momentum_dtype, max_resident, link_mbps, max_batches
+            device=device,
+            state_dir=state_dir,
+            state_in_context=state_in_context,
+            momentum_dtype=momentum_dtype,
+            max_resident=max_resident,
+            link_mbps=link_mbps,
+            max_batches=max_batches,
         )
         self._token = secrets.token_hex(8)  # which client this is, in every process a copy of it reaches
-        self._devices: dict[torch.device, _Device] = {}
+        self._devices: dict[torch.device, Device] = {}
         self._choices: dict[str, ContextChoice] = {}
         self._decode_cost = DecodeCost()  # of a context-coded Δ in this process, measured by whichever node applies one
         self._served = 0  # messages this process has handled: from the second on, files are written after the reply
@@ -189,7 +188,7 @@ class DLionClient:
         """The settings for this node (override to read them from the run or node config)."""
         return self._settings
 
-    def _on(self, device: torch.device, settings: ClientSettings) -> _Device:
+    def _on(self, device: torch.device, settings: ClientSettings) -> Device:
         """Everything this client holds for ``device`` (made on first use; its residents' limit from ``settings``)."""
         if device in self._devices:
             self._devices[device].residents.max_nodes = settings.max_resident
@@ -200,7 +199,8 @@ class DLionClient:
             pool, placement = ReplicaPool(), Placement(device)
             budget = int(RESIDENT_SHARE * device_memory(device))
             residents = Residents(pool, settings.max_resident, budget)
-            self._devices[device] = _Device(Binding(placement.model(model)), placement, pool, residents)
+            bound = Binding(placement.model(model))
+            self._devices[device] = Device(bound=bound, placement=placement, pool=pool, residents=residents)
         return self._devices[device]
 
     def hello(self, msg: Message, context: Context) -> Message:
@@ -211,16 +211,15 @@ class DLionClient:
             raise ClientStateError(f"node {context.node_id}: this node runs another app's code ({why}): {OTHER_APP}")
         settings = self.settings(context)
         here = self._on(resolve_device(settings.device), settings)
-        spec = here.bound.spec
         request = msg.content[HELLO] if HELLO in msg.content else ConfigRecord()
         state_key, state_round = hello_keys(request, context.node_id)
-        store, owner = self._store(context, spec.d, state_key, -1 if state_round is None else state_round, 0)
-        store.probe()  # a state folder this node cannot write fails now, not after round 1
-        clients = int(context.node_config.get("num-partitions", 1))  # the simulation's virtual clients
-        check_fits(store, spec.d, settings.momentum_dtype, context.node_id, clients)  # before round 1
-        node = self._start(here, store, owner, context)
+        as_of = -1 if state_round is None else state_round
+        door = open_state(
+            context, settings, here, state_key=state_key, as_of=as_of, keep_round=0, told=self._told, hello=True
+        )
+        node = door.node
         if node is not None:
-            here.residents.put(owner, node)
+            here.residents.put(door.owner, node)
         answer = {
             "partition-id": int(context.node_config.get("partition-id", -1)),
             "version": -1 if node is None else node.version,
@@ -229,7 +228,9 @@ class DLionClient:
         return Message(content=RecordDict({HELLO: ConfigRecord(answer)}), reply_to=msg)
 
     # ------------------------------------------------------------------ one round
-    def train(self, msg: Message, context: Context, batches: Iterable[Any], *, tamper: Tamper | None = None) -> Message:
+    def train(
+        self, msg: Message, context: Context, batches: Iterable[Any], *, tamper: UploadHook | None = None
+    ) -> Message:
         """Handle one ``train`` message of :class:`~flower_dlion.DistributedLion` (steps in the module doc).
 
         Parameters
@@ -243,8 +244,9 @@ class DLionClient:
             local steps: b₀ b₁ b₀ b₁ b₀; a shuffling ``DataLoader`` reshuffles each pass).
             Empty batches, or an iterator or generator that is used up (it cannot start over),
             fail the round with a ``ValueError`` that says so: an error reply, the state kept.
-        tamper : Tamper | None (default: None)
-            For fault studies only: what an attacking node changes (:class:`Tamper`).
+        tamper : UploadHook | None (default: None)
+            For fault studies only: what the node changes in what it sends (:class:`UploadHook`:
+            when each method is called, and what it may change).
 
         Returns
         -------
@@ -257,153 +259,61 @@ class DLionClient:
         here = self._on(resolve_device(settings.device), settings)
         spec = here.bound.spec
         cfg = RoundConfig.read(msg.content, context.node_id, max_batches=settings.max_batches)  # DistributedLion's?
-        check_train(msg.content, cfg.secure, cfg.state_key, cfg.server_round, context)  # no plain signs in a secure run
-        store, owner = self._store(context, spec.d, cfg.state_key, cfg.as_of, cfg.keep_round)
-        choice = self._choice(owner, settings, context)
+        # no plain signs in a secure run
+        check_train(msg.content, cfg.secure, cfg.state_key, cfg.server_round, context=context)
+        door = open_state(  # the node's state: resident while current, else its persisted copy
+            context,
+            settings,
+            here,
+            state_key=cfg.state_key,
+            as_of=cfg.as_of,
+            keep_round=cfg.keep_round,
+            told=self._told,
+        )
+        choice = node_choice(self._choices, self._decode_cost, door.owner, settings.link_mbps, context)
         lived, self._served = self._served > 0, self._served + 1
-        node = self._start(here, store, owner, context)
-        held = None
+        env = Apply(
+            placement=here.placement,
+            pool=here.pool,
+            spec=spec,
+            node_id=context.node_id,
+            round=cfg,
+            seed_fn=self._seed_fn,
+            context=choice,
+        )
+        before = None if door.node is None else door.node.version
         try:
-            before = None if node is None else node.version
-            env = Apply(here.placement, here.pool, spec, context.node_id, cfg, self._seed_fn, choice)
-            node = self._catch_up(msg, cfg, node, env, store)  # 1. the replica at the server's version
-            here.pool.hold(held := node.replica)  # nothing recycles it while this message runs
-            reply = self._round(msg, cfg, context, node, before, here, batches, tamper)  # 2.–4.
-            if choice.keeps and node.replica.depth == 2 and choice.wanted():
-                reply.content[METRICS]["context"] = node.version  # code the next Δ with the two before it
-            host = here.placement.node_to_host(node, settings.momentum_dtype)  # 5. persisted, kept resident
-            host.owner, host.layout = owner, layout_fingerprint(spec.layout)
-            node.stamp, node.pending = store.save(host, background=lived)
-            here.residents.put(owner, node)
-            reply = tell(reply, owner, context.node_id, cfg.server_round - (node.pending is not None))  # failed writes
+            node = door.catch_up(msg.content, env)  # 1. the replica at the server's version
+            with here.pool.holding(node.replica):  # nothing recycles it while this message runs
+                arrays, work, flipped = run_round(  # 1. (the momentum) to 3.
+                    node, before, cfg, msg.content, here, self.loss_fn, batches,
+                    key=_node_key(context), node_id=context.node_id, hook=tamper,
+                )  # fmt: skip
+                if SECURE in msg.content:  # 3. the signs (and buffers) under the round's pairwise masks
+                    arrays = mask_upload(arrays, msg.content[SECURE], context, spec, cfg.server_round)
+                explained = flipped > EXPLAIN_ABOVE * spec.d and cfg.upload == "sign"  # many: say where they are
+                metrics = ReplyMetrics(  # 4. the reply
+                    num_examples=work.num_examples,
+                    train_loss=sum(work.losses) / len(work.losses),
+                    version=node.version,
+                    checksum=node.replica.checksum,
+                    coin_flips=flipped,
+                    flips_explained=explain(node.m, node.replica.x, spec.layout) if explained else {},
+                )
+                content = RecordDict({CLIENT_UPLOAD: ArrayRecord(arrays), METRICS: metrics.to_record()})
+                reply = Message(content=content, reply_to=msg)
+                if choice.keeps and node.replica.depth == 2 and choice.wanted():
+                    reply.content[METRICS]["context"] = node.version  # code the next Δ with the two before it
+                # 5. kept for the next round: persisted, resident; a failed write said
+                return door.keep(node, reply, spec=spec, momentum_dtype=settings.momentum_dtype, background=lived)
         except torch.cuda.OutOfMemoryError as err:
-            here.residents.drop(owner)
+            door.forget()
             raise DeviceMemoryError(f"node {context.node_id}: {self._out_of_memory(spec.d, here)}") from err
         except BaseException:
-            here.residents.drop(owner)  # the next message starts from the persisted copy, which is unchanged
+            door.forget()  # the next message starts from the persisted copy, which is unchanged
             raise
-        finally:
-            if held is not None:
-                here.pool.release(held)
-        return reply
 
-    @staticmethod
-    def _catch_up(msg: Message, cfg: RoundConfig, node: NodeState | None, env: Apply, store: StateStore) -> NodeState:
-        """The node at the server's version (:func:`apply_message`); what cannot be applied is refused by name."""
-        try:
-            return apply_message(msg.content, node, env)
-        except ClientStateError as err:  # where its state was looked for (a deleted file), a write that failed
-            where, failure = f" (its state: {store.where()})" if node is None else "", said(store.owner, env.node_id)
-            if where or failure:
-                raise ClientStateError(f"{err}{where}{failure}") from err
-            raise
-        except (KeyError, TypeError, ValueError) as err:  # a record or key missing, a value of another type
-            raise ClientStateError(
-                f"node {env.node_id}: the server's round {cfg.server_round} message is malformed "
-                f"({type(err).__name__}: {err}): refused"
-            ) from err
-
-    def _round(
-        self,
-        msg: Message,
-        cfg: RoundConfig,
-        context: Context,
-        node: NodeState,
-        before: int | None,
-        here: _Device,
-        batches: Iterable[Any],
-        tamper: Tamper | None,
-    ) -> Message:
-        """Steps 1 (the rest of it) to 4: momentum, local work, upload; the reply (``node`` updated).
-
-        ``before``: the node's version before this message (None: it had no state).
-        """
-        server_round, seed, sync = cfg.server_round, cfg.seed, cfg.momentum_sync
-        key = _node_key(context)
-        bound, spec, device = here.bound, here.bound.spec, here.placement.device
-        age_momentum(node, before, cfg)
-        mask = adopt_momentum(node, msg.content, cfg, here.placement, spec.layout, context.node_id)
-        bound.load_rest_(node.rest)
-
-        # 2.–3. the local Lion steps and the upload
-        gen = round_generator(device, seed, key, server_round)  # coin flips for exact zeros
-        if here.grad is None:
-            here.grad = torch.empty(spec.d, device=device)
-        replica = (node.replica.x, node.replica.ident)
-        work = LocalWork(
-            bound,
-            self.loss_fn,
-            batches,
-            accumulate=cfg.accumulate,
-            out=here.grad,
-            replica=replica,
-            node_id=context.node_id,
-        )
-        flips: list[int] = []  # how many signs were coin flips (exact zeros of the Lion mix)
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            torch.manual_seed(round_seed(seed, key, server_round, 1))  # the batches' shuffles, dropout
-            arrays = upload_arrays(node, cfg, spec.sizes, work, gen, tamper, flips)
-        if sync:
-            assert mask is not None
-            arrays["momentum"] = to_array(here.placement.to_host(node.m[mask]))
-        node.rest = node.rest | {name: t.clone() for name, t in bound.buffers().items()}  # the client's own buffers
-        if cfg.buffers:
-            arrays["buffers"] = to_array(here.placement.buffers_to_host(node.rest, [e.name for e in spec.buffers]))
-        if tamper is not None:
-            arrays = tamper.arrays(arrays)
-        if SECURE in msg.content:  # the signs (and buffers) under the round's pairwise masks
-            arrays = mask_upload(arrays, msg.content[SECURE], context, spec, server_round)
-        node.round = server_round
-        flipped = sum(flips)  # many (sign upload): the client says where they are (flower_dlion.coin_flips)
-        explained = flipped > EXPLAIN_ABOVE * spec.d and cfg.upload == "sign"
-        metrics = ReplyMetrics(
-            num_examples=work.num_examples,
-            train_loss=sum(work.losses) / len(work.losses),
-            version=node.version,
-            checksum=node.replica.checksum,
-            coin_flips=flipped,
-            flips_explained=explain(node.m, node.replica.x, spec.layout) if explained else {},
-        )
-        return Message(
-            content=RecordDict({CLIENT_UPLOAD: ArrayRecord(arrays), METRICS: metrics.to_record()}), reply_to=msg
-        )
-
-    # ------------------------------------------------------------------ the node's state
-    def _start(self, here: _Device, store: StateStore, owner: str, context: Context) -> NodeState | None:
-        """The node's state for this message: resident while its persisted copy is the one it wrote, else that copy."""
-        node = here.residents.get(owner)
-        if node is not None:
-            current = store.current()
-            if current is not None and current[1] == node.stamp:
-                return node
-            here.residents.drop(owner)
-            self._tell_once(
-                "resident",
-                "flower-dlion: node %d: its state on the device is not its persisted copy (%s, written %s): "
-                "the persisted copy wins (logged once)",
-                context.node_id,
-                store.where(),
-                "by another process, or changed since" if current is not None else "nowhere: none there",
-            )
-        spec = here.bound.spec
-        rest = {e.name: tuple(e.shape) for e in spec.rest}
-        expect = Expected(spec.d, owner, layout_fingerprint(spec.layout), rest, here.pool.idents())
-        host = store.load(expect, context.node_id)
-        return None if host is None else here.placement.host_to_node(host, here.pool)
-
-    def _choice(self, owner: str, settings: ClientSettings, context: Context) -> ContextChoice:
-        """The node's context-coding choice (kept per node: each has its own link)."""
-        link = settings.link_mbps
-        if link is None and "link-mbps" in context.node_config:
-            link = float(context.node_config["link-mbps"])
-            if not positive(link):
-                raise ClientStateError(f"node {context.node_id}: node config link-mbps = {link!r} (a number > 0)")
-        choice = self._choices.get(owner)
-        if choice is None or choice.link_mbps != link:
-            choice = self._choices[owner] = ContextChoice(link, self._decode_cost)
-        return choice
-
-    def _out_of_memory(self, d: int, here: _Device) -> str:
+    def _out_of_memory(self, d: int, here: Device) -> str:
         return (
             f"the device ran out of memory with a model of {d:,} trainable values: each node's state takes "
             f"{4 * d / 1e6:.1f} MB (8 bytes a value with upload='ef-sign'; {len(here.residents)} resident), each "
@@ -421,15 +331,6 @@ class DLionClient:
             torch.manual_seed(seed)
             seeded = Binding(self.model_fn())  # built on the CPU: host tensors
         return seeded.flat_parameters().numpy(), {k: v.numpy() for k, v in seeded.rest().items()}
-
-    def _store(self, context: Context, d: int, state_key: str, as_of: int, keep_round: int) -> tuple[StateStore, str]:
-        """Where this node's state is persisted for this message, and whose it is (:func:`.state_store.node_store`)."""
-        return node_store(context, self.settings(context), d, state_key, as_of, keep_round)
-
-    def _tell_once(self, what: str, fmt: str, *args: object) -> None:
-        if what not in self._told:
-            self._told.add(what)
-            logger.warning(fmt, *args)
 
 
 def _node_key(context: Context) -> int:

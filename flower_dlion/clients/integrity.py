@@ -24,13 +24,26 @@ import zlib
 from typing import Any
 
 import numpy as np
+import torch
+from flwr.app import RecordDict
 
+from ..anchored_counts import Segment
 from ..lion import MAX_DECAY
-from ..protocol import ClientStateError
+from ..params import ModelSpec, layout_fingerprint
+from ..protocol import CODED_STYPE, CONFIG, REST, SERVER_UPDATE, ClientStateError
 from .resident import NodeState, ReplicaPool
 from .state import crc32
 
-__all__ = ["check_part", "check_segment", "check_steps", "verified"]
+__all__ = [
+    "check_layout",
+    "check_part",
+    "check_segment",
+    "check_steps",
+    "count_segments",
+    "full_x",
+    "received_rest",
+    "verified",
+]
 
 
 def check_part(round_config: Any, index: int, data: bytes | np.ndarray, what: str, env: Any) -> int:
@@ -110,3 +123,85 @@ def check_segment(decay: float, step: float, versions: int, env: Any) -> None:
             f"{versions} round(s) past its anchor ({1.0 - MAX_DECAY:g}**{versions} <= decay <= 1, step >= 0): "
             "refused, nothing applied (a resync request)"
         )
+
+
+# --------------------------------------------------------------------------- the message's parts, read and checked
+def full_x(content: RecordDict, env: Any) -> tuple[np.ndarray, int]:
+    """The float32 model (or anchor) of a full message, checked (a host array), and its CRC-32."""
+    d, node_id = env.d, env.node_id
+    payload = content[SERVER_UPDATE]["payload"].numpy()
+    if payload.shape != (d,) or payload.dtype != np.float32:
+        raise ClientStateError(
+            f"node {node_id}: full model has {payload.shape} {payload.dtype}, expected ({d},) float32"
+        )
+    if not np.isfinite(payload).all():
+        raise ClientStateError(f"node {node_id}: the full model has non-finite values: refused")
+    return payload, check_part(content[CONFIG], 0, payload, "the full model", env)
+
+
+def count_segments(content: RecordDict, round_config: dict, env: Any, first: int, anchor: int) -> list[Segment]:
+    """The count segments of an anchored message from a replica anchored at version ``anchor``, checked.
+
+    Their CRC-32s (parts ``first``, …), decay, step and levels.
+    """
+    node_id = env.node_id
+    if SERVER_UPDATE not in content or "counts" not in content[SERVER_UPDATE]:
+        raise ClientStateError(f"node {node_id}: an anchored message without its counts")
+    arr = content[SERVER_UPDATE]["counts"]
+    if arr.stype != CODED_STYPE:
+        raise ClientStateError(f"node {node_id}: counts stype {arr.stype!r}, expected {CODED_STYPE!r}")
+    data = arr.data
+    keys = ("segment-end", "segment-decay", "segment-step", "segment-refresh", "segment-context", "segment-bytes")
+    rows = list(zip(*(round_config[k] for k in keys), strict=True))
+    levels = list(round_config.get("segment-levels", [0] * len(rows)))
+    if len(levels) != len(rows) or any(n not in (0, 2, 3) for n in levels):
+        raise ClientStateError(f"node {node_id}: segment levels {levels} (0, 2 or 3 for each of {len(rows)}): refused")
+    if sum(int(r[-1]) for r in rows) != len(data) or not rows:
+        raise ClientStateError(f"node {node_id}: counts payload has {len(data)} bytes, its segments say otherwise")
+    out, offset = [], 0
+    for i, ((end, decay, step, refresh, context, nbytes), num_levels) in enumerate(zip(rows, levels, strict=True)):
+        check_segment(decay, step, int(end) - anchor, env)
+        anchor = int(end) if refresh else anchor
+        payload = bytes(data[offset : offset + nbytes])
+        check_part(round_config, first + i, payload, f"count segment {i + 1} of {len(rows)}", env)
+        out.append(
+            Segment(
+                end=int(end),
+                decay=float(decay),
+                step=float(step),
+                refresh=bool(refresh),
+                context=bool(context),
+                payload=payload,
+                levels=int(num_levels),
+            )
+        )
+        offset += nbytes
+    return out
+
+
+def check_layout(round_config: dict, spec: ModelSpec, node_id: int) -> None:
+    """Refuse a model whose layout (the server's fingerprint, where it sends one) is not this client's."""
+    ours = layout_fingerprint(spec.layout)
+    if round_config.get("layout", ours) != ours:
+        raise ClientStateError(f"node {node_id}: server model layout {round_config['layout']} != client's {ours}")
+
+
+def received_rest(content: RecordDict, env: Any) -> dict[str, torch.Tensor]:
+    """The buffers of a full model, checked against the spec, on the device."""
+    spec, node_id = env.spec, env.node_id
+    if not spec.rest:
+        return {}
+    record = content[REST] if REST in content else None
+    names = [e.name for e in spec.rest]
+    if record is None or list(record.keys()) != names:
+        got = [] if record is None else list(record.keys())
+        raise ClientStateError(f"node {node_id}: full model's buffers are {got}, expected {names}")
+    rest = {}
+    for e in spec.rest:
+        a = record[e.name].numpy()
+        if a.shape != e.shape:
+            raise ClientStateError(f"node {node_id}: {e.name!r} has shape {a.shape}, the model's is {e.shape}")
+        if a.dtype.kind in "fc" and not np.isfinite(a).all():
+            raise ClientStateError(f"node {node_id}: {e.name!r} has non-finite values")
+        rest[e.name] = env.placement.to_device(a)
+    return rest

@@ -18,10 +18,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from flwr.app import Context
+
 from ..anchored_counts import Segment
 from ..codec import encoded_size
+from ..protocol import ClientStateError
+from .settings import positive
 
-__all__ = ["REPROBE", "ContextChoice", "DecodeCost"]
+__all__ = ["REPROBE", "ContextChoice", "DecodeCost", "node_choice"]
 
 REPROBE = 50  # rounds without the context coding before it is measured again
 
@@ -92,3 +96,21 @@ class ContextChoice:
         if segment.context:
             self.cost.seconds_per_value = seconds / d
             self.cost.saved_per_value = (encoded_size(d, 3) - len(segment.payload)) / d
+
+
+def node_choice(
+    choices: dict[str, ContextChoice], cost: DecodeCost, owner: str, link_mbps: float | None, context: Context
+) -> ContextChoice:
+    """``owner``'s context-coding choice, kept in ``choices`` (per node: each has its own link).
+
+    ``link_mbps``: the client's setting; None reads the node config's ``link-mbps`` (if any).
+    """
+    link = link_mbps
+    if link is None and "link-mbps" in context.node_config:
+        link = float(context.node_config["link-mbps"])
+        if not positive(link):
+            raise ClientStateError(f"node {context.node_id}: node config link-mbps = {link!r} (a number > 0)")
+    choice = choices.get(owner)
+    if choice is None or choice.link_mbps != link:
+        choice = choices[owner] = ContextChoice(link, cost)
+    return choice

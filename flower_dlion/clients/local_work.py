@@ -1,9 +1,10 @@
 """What a Distributed Lion client computes in a round: its gradients, its local Lion steps, its upload.
 
-:class:`LocalWork` draws the round's batches and returns mean gradients; :func:`upload_arrays`
-runs the K local steps (``lion.local_steps_``, or ``lion.local_sgd`` then one Lion step for the
-FedSMU-style client; with K = 1 and the sign upload, the step and its 1-bit pack are one pass,
-``codec.pack_local_step_``) and encodes U as the round's upload kind (:mod:`flower_dlion.uploads`).
+:class:`LocalWork` draws the round's batches and returns mean gradients; :func:`local_step`
+chooses, once per round config, the step that runs the K local steps (``lion.local_steps_``, or
+``lion.local_sgd`` then one Lion step for the FedSMU-style client; with K = 1 and the sign
+upload, the step and its 1-bit pack are one pass, ``codec.pack_local_step_``) and encodes U as
+the round's upload kind (:mod:`flower_dlion.uploads`).
 :func:`age_momentum` and :func:`synced_momentum` handle the momentum of a node that missed rounds
 and the server's synced momentum. The ClientApp's plumbing around them is :mod:`.dlion`.
 """
@@ -11,7 +12,7 @@ and the server's synced momentum. The ClientApp's plumbing around them is :mod:`
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -20,44 +21,29 @@ from flwr.app import Array, ArrayRecord, RecordDict
 
 from .. import codec, lion, quantizers, stochastic
 from ..params import Binding, LossFn, layer_mask
-from ..protocol import MOMENTUM, SIGN_STYPE, bits_array, sync_prefixes
+from ..protocol import MOMENTUM, SIGN_STYPE, bits_array, sync_prefixes, to_array
 from ..round_records import PROXIMAL_LIMIT, RoundConfig
 from ..uploads import UPLOADS, Shape
+from .hooks import UploadHook
 from .placement import Placement
-from .resident import NodeState
+from .resident import Device, NodeState
 from .state import ClientStateError
 
 __all__ = [
     "MOMENTUM_LIMIT",
     "PROXIMAL_LIMIT",
+    "LocalStep",
     "LocalWork",
-    "Tamper",
     "adopt_momentum",
     "age_momentum",
+    "local_step",
     "round_generator",
     "round_seed",
+    "run_round",
     "synced_momentum",
-    "upload_arrays",
 ]
 
 MOMENTUM_LIMIT = 1e6  # a synced momentum beyond this is no average of gradients a float32 model trains with
-
-
-class Tamper:
-    """For fault studies only: what an attacking node changes in what it sends. This one changes nothing.
-
-    :meth:`upload` sees U = Σₖ δₖ before it is encoded (the fused path is then not taken);
-    :meth:`arrays` sees the reply's encoded arrays (``signs``/``levels``, ``scales``,
-    ``momentum``, ``buffers``) before they are sent.
-    """
-
-    def upload(self, u: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        """What the node uploads instead of U (the round's seeded generator at hand)."""
-        return u
-
-    def arrays(self, arrays: dict[str, Array]) -> dict[str, Array]:
-        """The reply's arrays as sent."""
-        return arrays
 
 
 class LocalWork:
@@ -136,57 +122,229 @@ class LocalWork:
         return total if self.accumulate == 1 else total.div_(self.accumulate)
 
 
-def upload_arrays(
+Gradient = Callable[[torch.Tensor, int], torch.Tensor]  # (x, local step) → the gradient there
+LocalStep = Callable[
+    [NodeState, RoundConfig, list[int], LocalWork, torch.Generator, UploadHook | None, list[int]], dict[str, Array]
+]  # (node, cfg, sizes, work, generator, hook, flips) → the reply's arrays for U
+
+
+def local_step(cfg: RoundConfig, hook: UploadHook | None = None) -> LocalStep:
+    """Steps 2–3 of a round with these options: chosen once per round config (as an optimizer picks its update).
+
+    Each step runs the round's local steps from the node's replica and returns the reply's
+    arrays for U (m and the error state updated); ``flips`` gets the number of signs sent as
+    coin flips (exact zeros; the sign upload only):
+
+    * ``_fused_sign``: K = 1, ``upload = "sign"``, no sign noise, no hook: the Lion step and
+      its 1-bit pack in one pass over m and g (``codec.pack_local_step_``);
+    * ``_lion_steps``: K Lion steps (``lion.local_steps_``), U encoded as ``cfg.upload``;
+    * ``_sgd_then_lion`` (``local-optimizer = "sgd"``): K SGD steps, then one Lion step on
+      their change g (FedSMU's client), fused as above where it may be;
+    * ``_sgd_ef_sign`` (``local-optimizer = "sgd"``, ``upload = "ef-sign"``): g itself as a
+      scaled sign with error feedback (FedAvg's update, compressed).
+    """
+    fused = cfg.upload == "sign" and hook is None and cfg.sign_noise == 0.0  # the one-pass path, where K = 1
+    if cfg.local_optimizer == "sgd":
+        return _sgd_ef_sign if cfg.upload == "ef-sign" else (_sgd_then_fused if fused else _sgd_then_lion)
+    return _fused_sign if fused and cfg.local_steps == 1 else _lion_steps
+
+
+class _Round:
+    """What every local step of a round shares: x, the scale blocks, the gradient (with drift control), the noise."""
+
+    def __init__(
+        self, state: NodeState, cfg: RoundConfig, sizes: list[int], work: LocalWork, gen: torch.Generator
+    ) -> None:
+        self.state, self.cfg, self.gen = state, cfg, gen
+        self.x = x = state.replica.x  # shared by the nodes at this version: never changed here
+        self.d = x.numel()
+        self.sizes = quantizers.scale_blocks(sizes, cfg.scale_block)
+        self.gradient: Gradient = work.gradient
+        self.perturb = stochastic.perturber(self.sizes, cfg.sign_noise, cfg.sign_noise_kind, gen)  # None: exact
+        mu = cfg.local_proximal_mu
+        if mu:  # drift control: each local gradient gains μ·(x_local − x), x the round's replica
+            self.gradient = lambda xk, k: work.gradient(xk, k).add_(xk - x, alpha=mu)
+
+    def sgd(self) -> torch.Tensor:
+        """K local SGD steps: g = x − x_K."""
+        return lion.local_sgd(self.x, self.gradient, steps=self.cfg.local_steps, lr=self.cfg.local_lr)
+
+    def fused(self, g: torch.Tensor, flips: list[int]) -> dict[str, Array]:
+        """One Lion step on ``g`` and its 1-bit pack, one pass over m and g."""
+        cfg = self.cfg
+        packed = codec.pack_local_step_(self.state.m, g, cfg.beta1, cfg.beta2, self.gen, flips=flips)
+        return {"signs": bits_array(packed, self.d, SIGN_STYPE)}
+
+    def lion(
+        self,
+        gradient: Callable[[torch.Tensor, int], torch.Tensor],
+        steps: int,
+        hook: UploadHook | None,
+        flips: list[int],
+    ) -> dict[str, Array]:
+        """``steps`` Lion steps on a copy of x (K = 1 never moves x), U encoded as the round's upload."""
+        cfg, upload = self.cfg, self.cfg.upload
+        x_local = self.x if steps == 1 else self.x.clone()
+        u = lion.local_steps_(
+            x_local,
+            self.state.m,
+            gradient,
+            steps=steps,
+            lr=cfg.local_lr,
+            weight_decay=cfg.local_weight_decay,
+            beta1=cfg.beta1,
+            beta2=cfg.beta2,
+            perturb=self.perturb if upload == "sign" else None,  # the sign upload: each step's sign stochastic
+        )
+        noise = self.perturb if upload == "ef-sign" else None  # ef-sign: the sign of U + e
+        return self.encode(u, steps, hook, flips, noise)
+
+    def encode(
+        self, u: torch.Tensor, steps: int, hook: UploadHook | None, flips: list[int], noise: stochastic.Perturb | None
+    ) -> dict[str, Array]:
+        """U (after the hook) as the round's upload kind; the error state updated."""
+        if hook is not None:
+            u = hook.upload(u, self.gen)
+        shape = Shape(self.d, self.sizes, steps)
+        arrays, self.state.error = UPLOADS[self.cfg.upload].encode(u, self.state.error, shape, self.gen, flips, noise)
+        return arrays
+
+
+def _fused_sign(
     state: NodeState,
     cfg: RoundConfig,
     sizes: list[int],
     work: LocalWork,
     gen: torch.Generator,
-    tamper: Tamper | None,
+    hook: UploadHook | None,
     flips: list[int],
 ) -> dict[str, Array]:
-    """Steps 2–3: the local Lion steps and the reply's arrays for U (m and the error state updated).
+    """K = 1, the sign upload: one Lion step and its 1-bit pack in one pass (a :data:`LocalStep`)."""
+    r = _Round(state, cfg, sizes, work, gen)
+    return r.fused(r.gradient(r.x, 0), flips)
 
-    ``cfg``: the round's options, already range-checked (:class:`RoundConfig`). ``flips`` gets
-    the number of signs sent as coin flips (exact zeros; the sign upload only).
+
+def _lion_steps(
+    state: NodeState,
+    cfg: RoundConfig,
+    sizes: list[int],
+    work: LocalWork,
+    gen: torch.Generator,
+    hook: UploadHook | None,
+    flips: list[int],
+) -> dict[str, Array]:
+    """K Lion steps, U encoded as the round's upload (a :data:`LocalStep`)."""
+    r = _Round(state, cfg, sizes, work, gen)
+    return r.lion(r.gradient, cfg.local_steps, hook, flips)
+
+
+def _sgd_then_fused(
+    state: NodeState,
+    cfg: RoundConfig,
+    sizes: list[int],
+    work: LocalWork,
+    gen: torch.Generator,
+    hook: UploadHook | None,
+    flips: list[int],
+) -> dict[str, Array]:
+    """K SGD steps, then one Lion step on their change, fused with its pack (a :data:`LocalStep`)."""
+    r = _Round(state, cfg, sizes, work, gen)
+    return r.fused(r.sgd(), flips)
+
+
+def _sgd_then_lion(
+    state: NodeState,
+    cfg: RoundConfig,
+    sizes: list[int],
+    work: LocalWork,
+    gen: torch.Generator,
+    hook: UploadHook | None,
+    flips: list[int],
+) -> dict[str, Array]:
+    """K SGD steps, then one Lion step on their change g (a :data:`LocalStep`)."""
+    r = _Round(state, cfg, sizes, work, gen)
+    g = r.sgd()
+    return r.lion(lambda x, k: g, 1, hook, flips)
+
+
+def _sgd_ef_sign(
+    state: NodeState,
+    cfg: RoundConfig,
+    sizes: list[int],
+    work: LocalWork,
+    gen: torch.Generator,
+    hook: UploadHook | None,
+    flips: list[int],
+) -> dict[str, Array]:
+    """K SGD steps, their change g sent as a scaled sign with error feedback (a :data:`LocalStep`)."""
+    r = _Round(state, cfg, sizes, work, gen)
+    return r.encode(r.sgd(), 1, hook, flips, r.perturb)
+
+
+def run_round(
+    node: NodeState,
+    before: int | None,
+    cfg: RoundConfig,
+    content: RecordDict,
+    here: Device,
+    loss_fn: LossFn,
+    batches: Iterable[Any],
+    *,
+    key: int,
+    node_id: int,
+    hook: UploadHook | None = None,
+) -> tuple[dict[str, Array], LocalWork, int]:
+    """Steps 1 (the momentum) to 3 of a round on ``here``: the reply's arrays; ``node`` updated.
+
+    The momentum aged (:func:`age_momentum`; ``before``: the node's version before this
+    message, None: it had none) and the server's adopted (:func:`adopt_momentum`), the round's
+    :func:`local_step` run under torch's RNG seeded by (seed, ``key``, round), the momentum and
+    buffers added in the rounds that send them, then ``hook``'s :meth:`~.hooks.UploadHook.arrays`.
+
+    Returns
+    -------
+    tuple[dict[str, Array], LocalWork, int]
+        The reply's arrays, the round's work (its losses and examples), and how many signs
+        were coin flips (exact zeros of the Lion mix).
+
     """
-    x = state.replica.x  # shared by the nodes at this version: never changed here
-    d = x.numel()
-    steps, upload, beta1, beta2 = cfg.local_steps, cfg.upload, cfg.beta1, cfg.beta2
-    sizes = quantizers.scale_blocks(sizes, cfg.scale_block)
-    gradient = work.gradient
-    perturb = stochastic.perturber(sizes, cfg.sign_noise, cfg.sign_noise_kind, gen)  # None: deterministic signs
-    mu = cfg.local_proximal_mu
-    if mu:  # drift control: each local gradient gains μ·(x_local − x), x the round's replica
-        gradient = lambda xk, k: work.gradient(xk, k).add_(xk - x, alpha=mu)  # noqa: E731
-    if cfg.local_optimizer == "sgd":  # K local SGD steps: g = x − x_K
-        g = lion.local_sgd(x, gradient, steps=steps, lr=cfg.local_lr)
-        if upload == "ef-sign":  # g itself, a scaled sign with error feedback (FedAvg's update, compressed)
-            if tamper is not None:
-                g = tamper.upload(g, gen)
-            arrays, state.error = UPLOADS[upload].encode(g, state.error, Shape(d, sizes, 1), gen, flips, perturb)
-            return arrays
-        steps, gradient = 1, lambda x, k: g  # FedSMU's client: one Lion step on g
-    if steps == 1 and upload == "sign" and tamper is None and perturb is None:  # one fused pass over m and g
-        packed = codec.pack_local_step_(state.m, gradient(x, 0), beta1, beta2, gen, flips=flips)
-        return {"signs": bits_array(packed, d, SIGN_STYPE)}
-    x_local = x if steps == 1 else x.clone()  # K = 1 never moves x (see local_steps_)
-    u = lion.local_steps_(
-        x_local,
-        state.m,
-        gradient,
-        steps=steps,
-        lr=cfg.local_lr,
-        weight_decay=cfg.local_weight_decay,
-        beta1=beta1,
-        beta2=beta2,
-        perturb=perturb if upload == "sign" else None,  # the sign upload: each step's sign stochastic
+    server_round, seed = cfg.server_round, cfg.seed
+    bound, spec, placement = here.bound, here.bound.spec, here.placement
+    device = placement.device
+    age_momentum(node, before, cfg)
+    step = local_step(cfg, hook)  # steps 2–3 for the round's options, chosen once
+    if here.grad is None:
+        here.grad = torch.empty(spec.d, device=device)
+    work = LocalWork(
+        bound,
+        loss_fn,
+        batches,
+        accumulate=cfg.accumulate,
+        out=here.grad,
+        replica=(node.replica.x, node.replica.ident),
+        node_id=node_id,
     )
-    if tamper is not None:
-        u = tamper.upload(u, gen)
-    noise = perturb if upload == "ef-sign" else None  # ef-sign: the sign of U + e
-    arrays, state.error = UPLOADS[upload].encode(u, state.error, Shape(d, sizes, steps), gen, flips, noise)
-    return arrays
+    gen = round_generator(device, seed, key, server_round)  # coin flips for exact zeros
+    mask = adopt_momentum(node, content, cfg, placement=placement, layout=spec.layout, node_id=node_id)
+    bound.load_rest_(node.rest)
+    flips: list[int] = []
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(round_seed(seed, key, server_round, 1))  # the batches' shuffles, dropout
+        arrays = step(node, cfg, spec.sizes, work, gen, hook, flips)
+    momentum = None
+    if cfg.momentum_sync:
+        assert mask is not None
+        momentum = placement.to_host(node.m[mask])
+    node.rest = node.rest | {name: t.clone() for name, t in bound.buffers().items()}  # the client's own buffers
+    buffers = placement.buffers_to_host(node.rest, [e.name for e in spec.buffers]) if cfg.buffers else None
+    if momentum is not None:
+        arrays["momentum"] = to_array(momentum)
+    if buffers is not None:
+        arrays["buffers"] = to_array(buffers)
+    if hook is not None:
+        arrays = hook.arrays(arrays)
+    node.round = server_round
+    return arrays, work, sum(flips)
 
 
 def age_momentum(state: NodeState, before: int | None, cfg: RoundConfig) -> None:
@@ -215,9 +373,10 @@ def adopt_momentum(
     """
     if not (cfg.momentum_sync or MOMENTUM in content):
         return None
-    mask = placement.to_device(layer_mask(layout, sync_prefixes(cfg.momentum_sync_layers)).numpy())
-    if MOMENTUM in content:
-        synced = synced_momentum(content[MOMENTUM], int(mask.sum()), node_id)
+    host_mask = layer_mask(layout, sync_prefixes(cfg.momentum_sync_layers)).numpy()
+    synced = synced_momentum(content[MOMENTUM], int(host_mask.sum()), node_id) if MOMENTUM in content else None
+    mask = placement.to_device(host_mask)
+    if synced is not None:
         node.m[mask] = placement.to_device(synced)
     return mask
 

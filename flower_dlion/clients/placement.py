@@ -9,7 +9,9 @@ GPU client runs, where these conversions are views instead of copies.
 Each crossing is one copy on a GPU: a host array to the device (:meth:`Placement.to_device`),
 a tensor to pinned host memory (:meth:`Placement.to_host`, which torch's caching host allocator
 reuses). What every node at one version shares (x, the anchor, the counts) crosses once per
-version and process, cached on the replica (:meth:`Placement.replica_on_host`).
+version and process, cached on the replica (:meth:`.resident.Replica.on_host`); a node's state
+crosses in :meth:`.resident.NodeState.to_host` and :meth:`.resident.NodeState.from_host`, through
+the methods here.
 
 Every crossing adds the bytes that cross on a GPU to :attr:`Placement.crossings` (a
 :class:`Crossings`), on the CPU too, where nothing is copied: the count is of what crosses, not
@@ -42,9 +44,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from torch import nn
-
-from .resident import NodeState, Replica, ReplicaPool
-from .state import HostState, crc32
 
 __all__ = ["Crossings", "Placement"]
 
@@ -84,7 +83,13 @@ class Crossings:
 
     def take(self) -> Crossings:
         """What was counted since the last call (a snapshot); the counters start again from zero."""
-        snapshot = Crossings(self.to_device_bytes, self.to_host_bytes, self.to_device, self.to_host, self.count)
+        snapshot = Crossings(
+            to_device_bytes=self.to_device_bytes,
+            to_host_bytes=self.to_host_bytes,
+            to_device=self.to_device,
+            to_host=self.to_host,
+            count=self.count,
+        )
         self.to_device_bytes = self.to_host_bytes = self.count = 0
         self.to_device, self.to_host = {}, {}
         return snapshot
@@ -152,89 +157,3 @@ class Placement:
             t = pinned.copy_(t)
         a = t.numpy()
         return a.view(np.uint16) if bits else a
-
-    # ------------------------------------------------------------------ states
-    def replica_on_host(self, replica: Replica, name: str, label: str | None = None) -> np.ndarray:
-        """The replica's ``x``, ``anchor`` or ``counts`` on the host, copied once per replica.
-
-        The copy is counted under ``label`` (default: ``name``); a copy the replica holds
-        already crosses nothing.
-        """
-        if name not in replica.host:
-            replica.host[name] = self.to_host(getattr(replica, name), label or name)
-        return replica.host[name]
-
-    def new_replica(self, x: torch.Tensor, version: int) -> Replica:
-        """A replica of ``x`` (on the device) at ``version``, with its checksum (x crosses to the host once)."""
-        replica = Replica(version, x, 0)
-        replica.checksum = crc32(self.replica_on_host(replica, "x", "x-crc"))
-        return replica
-
-    def node_to_host(self, node: NodeState, momentum_dtype: str) -> HostState:
-        """The node's state to persist: on the host, m in ``momentum_dtype``.
-
-        With ``momentum_dtype = "bfloat16"`` this is the one place m is rounded, on the device
-        too: the resident state and the persisted copy stay the same bits.
-        """
-        replica = node.replica
-        if momentum_dtype == "bfloat16":
-            rounded = node.m.to(torch.bfloat16)
-            node.m.copy_(rounded)
-            m = self.to_host(rounded, "m-persist")
-        else:
-            m = self.to_host(node.m, "m-persist")
-        host = HostState(
-            version=replica.version,
-            round=node.round,
-            checksum=replica.checksum,
-            m=m,
-            m_dtype=momentum_dtype,
-            error=None if node.error is None else self.to_host(node.error, "e-persist"),
-            rest={k: self.to_host(v, "rest-persist") for k, v in node.rest.items()},
-            recent=replica.recent if replica.depth else None,
-            depth=replica.depth if replica.recent is not None else 0,
-            previous=node.previous,
-            undo=node.undo,
-        )
-        if replica.anchor is None:
-            host.x = self.replica_on_host(replica, "x")
-        else:
-            host.anchor = self.replica_on_host(replica, "anchor")
-            host.counts = self.replica_on_host(replica, "counts")
-            host.anchor_version, host.anchor_checksum = replica.anchor_version, replica.anchor_checksum
-            host.decay, host.step = replica.decay, replica.step
-        return host
-
-    def host_to_node(self, host: HostState, pool: ReplicaPool) -> NodeState:
-        """A checked persisted state (``host.x`` set, :func:`.state.check_state`) on the device.
-
-        Its replica comes from ``pool`` when this process holds it already. A replica loaded here
-        keeps the host arrays it was loaded from (x, the anchor, the counts, all checked): they
-        do not cross back to be persisted or decoded on the host.
-        """
-        ident = (host.version, host.checksum, host.anchor_version, host.anchor_checksum)
-        replica = pool.find(ident)
-        if replica is None:
-            assert host.x is not None, "check_state sets x where the pool does not hold the replica"
-            replica = Replica(host.version, self.to_device(host.x, "load"), host.checksum)
-            replica.host["x"] = host.x
-            if host.anchor is not None:
-                assert host.counts is not None
-                anchor = pool.anchor(host.anchor_version, host.anchor_checksum)
-                replica.anchor = anchor if anchor is not None else self.to_device(host.anchor, "load")
-                replica.host["anchor"] = host.anchor  # the same bits (check_state checked its checksum)
-                counts = host.counts.astype(np.int32)
-                replica.counts = self.to_device(counts, "load")
-                replica.host["counts"] = counts  # the same values: the next persisted copy crosses nothing
-                replica.anchor_version, replica.anchor_checksum = host.anchor_version, host.anchor_checksum
-                replica.decay, replica.step = host.decay, host.step
-            if host.recent is not None and host.depth:
-                replica.recent, replica.depth = host.recent, host.depth
-            replica = pool.add(replica)
-        if host.m_dtype == "bfloat16":
-            m = self.to_device(host.m.view(np.int16), "load").view(torch.bfloat16).float()
-        else:
-            m = self.to_device(host.m, "load")
-        error = None if host.error is None else self.to_device(host.error, "load")
-        rest = {k: self.to_device(v, "load") for k, v in host.rest.items()}
-        return NodeState(replica, m, error, rest, host.round, host.previous, host.undo, host.stamp)

@@ -39,20 +39,21 @@ from flwr.app import RecordDict
 
 from .. import codec, entropy, quantizers
 from ..anchored_counts import AnchoredForm, Segment, apply_segments, decode_segment, step_counts
-from ..params import ModelSpec, layout_fingerprint, state_checksum
-from ..protocol import CODED_STYPE, CONFIG, LEVELS_STYPE, REST, SEED_MISMATCH, SERVER_UPDATE
+from ..params import ModelSpec, state_checksum
+from ..protocol import CONFIG, LEVELS_STYPE, SEED_MISMATCH, SERVER_UPDATE
 from ..round_records import RoundConfig
-from .integrity import check_part, check_segment, check_steps, verified
+from .integrity import check_layout, check_part, check_steps, count_segments, full_x, received_rest, verified
 from .link import ContextChoice
 from .placement import Placement
 from .resident import NodeState, Replica, ReplicaPool
 from .state import ClientStateError, crc32
 
-__all__ = ["SCALE_LIMIT", "Apply", "SeedFn", "apply_message"]
+__all__ = ["SCALE_LIMIT", "Apply", "ApplyFn", "SeedFn", "apply_message", "downlink"]
 
 SCALE_LIMIT = 1e6  # a Δ's per-tensor scale is in steps of lr: no Lion update is a million steps
 
 SeedFn = Callable[[int], tuple[np.ndarray, dict[str, np.ndarray]]]  # seed → (x₀, rest₀) on the host
+ApplyFn = Callable[[RecordDict, "NodeState | None", "Apply"], NodeState]  # (content, node, env) → the node after
 
 
 @dataclass
@@ -83,32 +84,47 @@ def apply_message(content: RecordDict, node: NodeState | None, env: Apply) -> No
     Each part of the payload is checked against its CRC-32 before it is decoded, and the new
     replica against the server's checksum of x before it is returned (:mod:`.integrity`).
     """
-    after = _apply(content, node, env)
-    return verified(after, env.round.checksum, env.round.server_round, env.node_id, env.pool)
+    round_config = content[CONFIG]
+    apply = downlink(round_config)
+    if round_config["kind"] == "full" or (node is None and "init-seed" in round_config):
+        check_layout(round_config, env.spec, env.node_id)
+    after = apply(content, node, env)
+    return verified(
+        after, expected=env.round.checksum, server_round=env.round.server_round, node_id=env.node_id, pool=env.pool
+    )
 
 
-def _apply(content: RecordDict, node: NodeState | None, env: Apply) -> NodeState:
+def downlink(round_config: dict) -> ApplyFn:
+    """How a message brings x, chosen once from its ``kind``: the anchored downlink, the full model, or the chain."""
+    kind = round_config["kind"]
+    if kind == "counts" or (kind == "full" and "anchor-version" in round_config):
+        return _apply_anchored
+    return _apply_full if kind == "full" else _apply_chain
+
+
+def _apply_full(content: RecordDict, node: NodeState | None, env: Apply) -> NodeState:
+    """The whole model: a replica of it (found, or made once), its buffers; a resync keeps the node's momentum."""
+    x, checksum = full_x(content, env)
+    replica = env.pool.find((env.round.version, checksum, 0, 0))
+    if replica is None:
+        replica = Replica(version=env.round.version, x=env.placement.to_device(x), checksum=checksum, host={"x": x})
+        replica = env.pool.add(replica)
+    rest = received_rest(content, env)
+    if node is None:
+        return NodeState(replica=replica, m=env.zeros(), rest=rest)
+    return NodeState(replica=replica, m=node.m, error=node.error, rest=rest)
+
+
+def _apply_chain(content: RecordDict, node: NodeState | None, env: Apply) -> NodeState:
+    """The chain downlink: the Δs the node missed (``"deltas"``) or none (``"none"``), after x₀ from a seed if sent."""
     round_config = content[CONFIG]
     kind, version = round_config["kind"], env.round.version
-    if kind == "full" or (node is None and "init-seed" in round_config):
-        _check_layout(round_config, env.spec, env.node_id)
-    if kind == "counts" or (kind == "full" and "anchor-version" in round_config):
-        return _apply_anchored(content, node, env)
-    if kind == "full":
-        x, checksum = _full_x(content, env)
-        replica = env.pool.find((version, checksum, 0, 0))
-        if replica is None:
-            replica = env.pool.add(Replica(version, env.placement.to_device(x), checksum, host={"x": x}))
-        rest = _received_rest(content, env)
-        if node is None:
-            return NodeState(replica, env.zeros(), rest=rest)
-        return NodeState(replica, node.m, node.error, rest)  # a resync keeps its momentum
     if "init-seed" in round_config:  # a new node, or one whose replica the server no longer trusts (x₀, then Δs)
         base, rest = _seeded(round_config, env, anchored=False)
         if node is None:
-            node = NodeState(base, env.zeros(), rest=rest)
+            node = NodeState(replica=base, m=env.zeros(), rest=rest)
         else:  # a resync keeps the node's momentum and buffers
-            node = NodeState(base, node.m, node.error, node.rest)
+            node = NodeState(replica=base, m=node.m, error=node.error, rest=node.rest)
     if node is None:
         raise ClientStateError(
             f"node {env.node_id} has no replica (new node, or its state was lost) but received kind={kind!r}; "
@@ -128,7 +144,7 @@ def _apply(content: RecordDict, node: NodeState | None, env: Apply) -> NodeState
         replica = node.replica
     else:
         raise ClientStateError(f"node {env.node_id}: unknown update kind {kind!r}")
-    return NodeState(replica, node.m, node.error, node.rest)
+    return NodeState(replica=replica, m=node.m, error=node.error, rest=node.rest)
 
 
 # --------------------------------------------------------------------------- the anchored downlink
@@ -138,8 +154,8 @@ def _apply_anchored(content: RecordDict, node: NodeState | None, env: Apply) -> 
     kind, version, node_id = round_config["kind"], env.round.version, env.node_id
     m, error, rest = (env.zeros(), None, {}) if node is None else (node.m, node.error, node.rest)
     if kind == "full":  # the anchor, then the counts since it
-        anchor, checksum = _full_x(content, env)  # its CRC-32 checked and computed once
-        rest = _received_rest(content, env)
+        anchor, checksum = full_x(content, env)  # its CRC-32 checked and computed once
+        rest = received_rest(content, env)
         base = _anchor_replica(anchor, int(round_config["anchor-version"]), env, checksum)
     elif "init-seed" in round_config:  # a new node, or one whose replica the server no longer trusts
         base, rest0 = _seeded(round_config, env, anchored=True)
@@ -165,7 +181,7 @@ def _apply_anchored(content: RecordDict, node: NodeState | None, env: Apply) -> 
             )
     previous, undo, replica = -1, b"", base
     if "segment-end" in round_config:
-        segments = _segments(content, round_config, env, first=int(kind == "full"), anchor=base.anchor_version)
+        segments = count_segments(content, round_config, env, first=int(kind == "full"), anchor=base.anchor_version)
         limit = int(round_config["anchor-every"]) * env.round.local_steps
         try:
             replica, undo = _advance(base, segments, limit, env)
@@ -175,7 +191,7 @@ def _apply_anchored(content: RecordDict, node: NodeState | None, env: Apply) -> 
             previous = base.version
     if replica.version != version:
         raise ClientStateError(f"node {node_id}: the counts reach version {replica.version}, the server's is {version}")
-    return NodeState(replica, m, error, rest, previous=previous, undo=undo)
+    return NodeState(replica=replica, m=m, error=error, rest=rest, previous=previous, undo=undo)
 
 
 def _anchor_replica(anchor: np.ndarray, anchor_version: int, env: Apply, checksum: int | None = None) -> Replica:
@@ -189,9 +205,15 @@ def _anchor_replica(anchor: np.ndarray, anchor_version: int, env: Apply, checksu
     if on_device is None:
         on_device = env.placement.to_device(anchor)
     replica = Replica(
-        anchor_version, on_device.clone(), checksum, on_device, anchor_version, checksum, env.zeros(torch.int32),
+        version=anchor_version,
+        x=on_device.clone(),
+        checksum=checksum,
+        anchor=on_device,
+        anchor_version=anchor_version,
+        anchor_checksum=checksum,
+        counts=env.zeros(torch.int32),
         host={"x": anchor, "anchor": anchor},
-    )  # fmt: skip
+    )
     return env.pool.add(replica)
 
 
@@ -232,7 +254,7 @@ def _step(base: Replica, seg: Segment, limit: int, env: Apply) -> tuple[Replica,
     finally:
         env.pool.give(scratch)
     anchor, anchor_version, anchor_checksum = base.anchor, base.anchor_version, base.anchor_checksum
-    replica = env.placement.new_replica(x, seg.end)
+    replica = Replica.of(x, seg.end, env.placement)
     if seg.refresh:  # x becomes the anchor: C ← 0
         anchor, anchor_version, anchor_checksum = x.clone(), seg.end, replica.checksum
         counts.zero_()
@@ -252,13 +274,18 @@ def _decode_on_host(
     """Segments decoded on the host (:func:`apply_segments`, the reference); the result crosses once."""
     assert base.anchor is not None and base.counts is not None
     place = env.placement
-    anchor_host = place.replica_on_host(base, "anchor")
-    counts_host = place.replica_on_host(base, "counts")
+    anchor_host = base.on_host("anchor", place)
+    counts_host = base.on_host("counts", place)
     recent = base.recent if base.depth else None
     start = AnchoredForm(
-        torch.from_numpy(anchor_host), base.anchor_version, torch.from_numpy(counts_host), base.version,
-        recent, base.version if recent is not None else -1, base.depth if recent is not None else 0,
-    )  # fmt: skip
+        anchor=torch.from_numpy(anchor_host),
+        anchor_version=base.anchor_version,
+        counts=torch.from_numpy(counts_host),
+        version=base.version,
+        recent=recent,
+        recent_version=base.version if recent is not None else -1,
+        depth=base.depth if recent is not None else 0,
+    )
     after, x = apply_segments(start, segments, entropy.blocks_of(env.spec.sizes), limit)
     x_host = x.numpy()  # new arrays: on the CPU the device tensors below are these
     if after.anchor is start.anchor:
@@ -268,11 +295,19 @@ def _decode_on_host(
         anchor, anchor_checksum = place.to_device(anchor_on_host), crc32(anchor_on_host)
     counts_after = after.counts.numpy()
     replica = Replica(
-        after.version, place.to_device(x_host), crc32(x_host), anchor, after.anchor_version, anchor_checksum,
-        place.to_device(counts_after), 1.0 if segments[-1].refresh else segments[-1].decay, segments[-1].step,
-        after.recent if keep_context else None, after.depth if keep_context else 0,
+        version=after.version,
+        x=place.to_device(x_host),
+        checksum=crc32(x_host),
+        anchor=anchor,
+        anchor_version=after.anchor_version,
+        anchor_checksum=anchor_checksum,
+        counts=place.to_device(counts_after),
+        decay=1.0 if segments[-1].refresh else segments[-1].decay,
+        step=segments[-1].step,
+        recent=after.recent if keep_context else None,
+        depth=after.depth if keep_context else 0,
         host={"x": x_host, "anchor": anchor_on_host, "counts": counts_after},
-    )  # fmt: skip
+    )
     undo = b""
     seg = segments[0]
     if len(segments) == 1 and not seg.refresh:  # what it takes to go back, should the reply be lost
@@ -296,13 +331,19 @@ def _undo(replica: Replica, node: NodeState, env: Apply) -> Replica:
     if kind == b"C":  # the coded counts as received
         taken = entropy.decode(data, d, entropy.blocks_of(env.spec.sizes))
     else:  # b"L": one Δ as its packed levels (2 or 3)
-        taken = decode_segment(Segment(0, 1.0, 0.0, False, False, data[1:], data[0]), d, [d], None)
-    counts = env.placement.replica_on_host(replica, "counts").astype(np.int32) - taken
+        levels = Segment(end=0, decay=1.0, step=0.0, refresh=False, context=False, payload=data[1:], levels=data[0])
+        taken = decode_segment(levels, d, [d], None)
+    counts = replica.on_host("counts", env.placement).astype(np.int32) - taken
     return Replica(
-        node.previous, replica.anchor, -1, replica.anchor, replica.anchor_version, replica.anchor_checksum,
-        env.placement.to_device(counts),
-        host={"anchor": env.placement.replica_on_host(replica, "anchor"), "counts": counts},
-    )  # fmt: skip
+        version=node.previous,
+        x=replica.anchor,
+        checksum=-1,
+        anchor=replica.anchor,
+        anchor_version=replica.anchor_version,
+        anchor_checksum=replica.anchor_checksum,
+        counts=env.placement.to_device(counts),
+        host={"anchor": replica.on_host("anchor", env.placement), "counts": counts},
+    )
 
 
 # --------------------------------------------------------------------------- the chain and the seed
@@ -352,7 +393,7 @@ def _apply_deltas(content: RecordDict, base: Replica, env: Apply, *, skip: int) 
         if i >= skip:  # x ← x − lr·(Δ + wd·x), as the server applied it
             quantizers.apply_delta_(x, levels, num_levels, s, sizes, lr, wd)
         offset += size
-    return env.pool.add(env.placement.new_replica(x, version), key, b"")
+    return env.pool.add(Replica.of(x, version, env.placement), key, b"")
 
 
 def _seeded(round_config: dict, env: Apply, *, anchored: bool) -> tuple[Replica, dict[str, torch.Tensor]]:
@@ -374,77 +415,6 @@ def _seeded(round_config: dict, env: Apply, *, anchored: bool) -> tuple[Replica,
     checksum = crc32(x0)
     replica = env.pool.find((0, checksum, 0, 0))
     if replica is None:
-        replica = env.pool.add(Replica(0, env.placement.to_device(x0.copy()), checksum, host={"x": x0}))
+        replica = Replica(version=0, x=env.placement.to_device(x0.copy()), checksum=checksum, host={"x": x0})
+        replica = env.pool.add(replica)
     return replica, rest
-
-
-# --------------------------------------------------------------------------- reading the message
-def _full_x(content: RecordDict, env: Apply) -> tuple[np.ndarray, int]:
-    """The float32 model (or anchor) of a full message, checked (a host array), and its CRC-32."""
-    d, node_id = env.d, env.node_id
-    payload = content[SERVER_UPDATE]["payload"].numpy()
-    if payload.shape != (d,) or payload.dtype != np.float32:
-        raise ClientStateError(
-            f"node {node_id}: full model has {payload.shape} {payload.dtype}, expected ({d},) float32"
-        )
-    if not np.isfinite(payload).all():
-        raise ClientStateError(f"node {node_id}: the full model has non-finite values: refused")
-    return payload, check_part(content[CONFIG], 0, payload, "the full model", env)
-
-
-def _segments(content: RecordDict, round_config: dict, env: Apply, first: int, anchor: int) -> list[Segment]:
-    """The count segments of an anchored message from a replica anchored at version ``anchor``, checked.
-
-    Their CRC-32s (parts ``first``, …), decay, step and levels.
-    """
-    node_id = env.node_id
-    if SERVER_UPDATE not in content or "counts" not in content[SERVER_UPDATE]:
-        raise ClientStateError(f"node {node_id}: an anchored message without its counts")
-    arr = content[SERVER_UPDATE]["counts"]
-    if arr.stype != CODED_STYPE:
-        raise ClientStateError(f"node {node_id}: counts stype {arr.stype!r}, expected {CODED_STYPE!r}")
-    data = arr.data
-    keys = ("segment-end", "segment-decay", "segment-step", "segment-refresh", "segment-context", "segment-bytes")
-    rows = list(zip(*(round_config[k] for k in keys), strict=True))
-    levels = list(round_config.get("segment-levels", [0] * len(rows)))
-    if len(levels) != len(rows) or any(n not in (0, 2, 3) for n in levels):
-        raise ClientStateError(f"node {node_id}: segment levels {levels} (0, 2 or 3 for each of {len(rows)}): refused")
-    if sum(int(r[-1]) for r in rows) != len(data) or not rows:
-        raise ClientStateError(f"node {node_id}: counts payload has {len(data)} bytes, its segments say otherwise")
-    out, offset = [], 0
-    for i, ((end, decay, step, refresh, context, nbytes), num_levels) in enumerate(zip(rows, levels, strict=True)):
-        check_segment(decay, step, int(end) - anchor, env)
-        anchor = int(end) if refresh else anchor
-        payload = bytes(data[offset : offset + nbytes])
-        check_part(round_config, first + i, payload, f"count segment {i + 1} of {len(rows)}", env)
-        out.append(Segment(int(end), float(decay), float(step), bool(refresh), bool(context),
-                                    payload, int(num_levels)))  # fmt: skip
-        offset += nbytes
-    return out
-
-
-def _check_layout(round_config: dict, spec: ModelSpec, node_id: int) -> None:
-    ours = layout_fingerprint(spec.layout)
-    if round_config.get("layout", ours) != ours:
-        raise ClientStateError(f"node {node_id}: server model layout {round_config['layout']} != client's {ours}")
-
-
-def _received_rest(content: RecordDict, env: Apply) -> dict[str, torch.Tensor]:
-    """The buffers of a full model, checked against the spec, on the device."""
-    spec, node_id = env.spec, env.node_id
-    if not spec.rest:
-        return {}
-    record = content[REST] if REST in content else None
-    names = [e.name for e in spec.rest]
-    if record is None or list(record.keys()) != names:
-        got = [] if record is None else list(record.keys())
-        raise ClientStateError(f"node {node_id}: full model's buffers are {got}, expected {names}")
-    rest = {}
-    for e in spec.rest:
-        a = record[e.name].numpy()
-        if a.shape != e.shape:
-            raise ClientStateError(f"node {node_id}: {e.name!r} has shape {a.shape}, the model's is {e.shape}")
-        if a.dtype.kind in "fc" and not np.isfinite(a).all():
-            raise ClientStateError(f"node {node_id}: {e.name!r} has non-finite values")
-        rest[e.name] = env.placement.to_device(a)
-    return rest

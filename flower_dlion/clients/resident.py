@@ -1,6 +1,10 @@
 """What a client keeps on its compute device between messages: each node's own state, and replicas shared by version.
 
 Device side: tensors on the client's device (host arrays come and go through :mod:`.placement`).
+The conversions between a node's state here and its persisted copy on the host
+(:class:`~.state.HostState`) are beside the types: :meth:`NodeState.to_host`,
+:meth:`NodeState.from_host`; so is the one host copy of a replica's arrays
+(:meth:`Replica.on_host`, :meth:`Replica.of`).
 
 A node's state splits in two (:class:`NodeState`):
 
@@ -23,16 +27,22 @@ what a node starts from when its resident state is gone or no longer current.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import os
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["NodeState", "Replica", "ReplicaPool", "Residents", "device_memory"]
+from ..params import Binding
+from .placement import Placement
+from .state import HostState, crc32
+
+__all__ = ["Device", "NodeState", "Replica", "ReplicaPool", "Residents", "device_memory"]
 
 logger = logging.getLogger("flower_dlion")
 
@@ -66,6 +76,23 @@ class Replica:
         """Bytes on the device (the anchor counted whole, although replicas of one epoch share it)."""
         return sum(t.numel() * t.element_size() for t in (self.x, self.anchor, self.counts) if t is not None)
 
+    @classmethod
+    def of(cls, x: torch.Tensor, version: int, placement: Placement) -> Replica:
+        """A replica of ``x`` (on the device) at ``version``, with its checksum (x crosses to the host once)."""
+        replica = cls(version=version, x=x, checksum=0)
+        replica.checksum = crc32(replica.on_host("x", placement, "x-crc"))
+        return replica
+
+    def on_host(self, name: str, placement: Placement, label: str | None = None) -> np.ndarray:
+        """The replica's ``x``, ``anchor`` or ``counts`` on the host, copied once per replica.
+
+        The copy is counted under ``label`` (default: ``name``); a copy the replica holds
+        already crosses nothing.
+        """
+        if name not in self.host:
+            self.host[name] = placement.to_host(getattr(self, name), label or name)
+        return self.host[name]
+
 
 @dataclass(eq=False)
 class NodeState:
@@ -90,6 +117,85 @@ class NodeState:
         """Bytes of the node's own tensors (not its replica's)."""
         own = [self.m, self.error, *self.rest.values()]
         return sum(t.numel() * t.element_size() for t in own if t is not None) + len(self.undo)
+
+    def to_host(self, placement: Placement, momentum_dtype: str) -> HostState:
+        """The node's state to persist: on the host, m in ``momentum_dtype``.
+
+        With ``momentum_dtype = "bfloat16"`` this is the one place m is rounded, on the device
+        too: the resident state and the persisted copy stay the same bits.
+        """
+        replica = self.replica
+        if replica.anchor is None:  # what the nodes at this version share: copied once per replica
+            shared = {"x": replica.on_host("x", placement)}
+        else:
+            shared = {name: replica.on_host(name, placement) for name in ("anchor", "counts")}
+        if momentum_dtype == "bfloat16":
+            rounded = self.m.to(torch.bfloat16)
+            self.m.copy_(rounded)
+            m = placement.to_host(rounded, "m-persist")
+        else:
+            m = placement.to_host(self.m, "m-persist")
+        host = HostState(
+            version=replica.version,
+            round=self.round,
+            checksum=replica.checksum,
+            m=m,
+            m_dtype=momentum_dtype,
+            error=None if self.error is None else placement.to_host(self.error, "e-persist"),
+            rest={k: placement.to_host(v, "rest-persist") for k, v in self.rest.items()},
+            recent=replica.recent if replica.depth else None,
+            depth=replica.depth if replica.recent is not None else 0,
+            previous=self.previous,
+            undo=self.undo,
+        )
+        if replica.anchor is None:
+            host.x = shared["x"]
+        else:
+            host.anchor, host.counts = shared["anchor"], shared["counts"]
+            host.anchor_version, host.anchor_checksum = replica.anchor_version, replica.anchor_checksum
+            host.decay, host.step = replica.decay, replica.step
+        return host
+
+    @classmethod
+    def from_host(cls, host: HostState, pool: ReplicaPool, placement: Placement) -> NodeState:
+        """A checked persisted state (``host.x`` set, :func:`.state.check_state`) on the device.
+
+        Its replica comes from ``pool`` when this process holds it already. A replica loaded here
+        keeps the host arrays it was loaded from (x, the anchor, the counts, all checked): they
+        do not cross back to be persisted or decoded on the host.
+        """
+        replica = pool.find((host.version, host.checksum, host.anchor_version, host.anchor_checksum))
+        if replica is None:
+            assert host.x is not None, "check_state sets x where the pool does not hold the replica"
+            replica = Replica(version=host.version, x=placement.to_device(host.x, "load"), checksum=host.checksum)
+            replica.host["x"] = host.x
+            if host.anchor is not None:
+                assert host.counts is not None
+                anchor = pool.anchor(host.anchor_version, host.anchor_checksum)
+                replica.anchor = anchor if anchor is not None else placement.to_device(host.anchor, "load")
+                replica.host["anchor"] = host.anchor  # the same bits (check_state checked its checksum)
+                counts = host.counts.astype(np.int32)
+                replica.counts = placement.to_device(counts, "load")
+                replica.host["counts"] = counts  # the same values: the next persisted copy crosses nothing
+                replica.anchor_version, replica.anchor_checksum = host.anchor_version, host.anchor_checksum
+                replica.decay, replica.step = host.decay, host.step
+            if host.recent is not None and host.depth:
+                replica.recent, replica.depth = host.recent, host.depth
+            replica = pool.add(replica)
+        if host.m_dtype == "bfloat16":
+            m = placement.to_device(host.m.view(np.int16), "load").view(torch.bfloat16).float()
+        else:
+            m = placement.to_device(host.m, "load")
+        return cls(
+            replica=replica,
+            m=m,
+            error=None if host.error is None else placement.to_device(host.error, "load"),
+            rest={k: placement.to_device(v, "load") for k, v in host.rest.items()},
+            round=host.round,
+            previous=host.previous,
+            undo=host.undo,
+            stamp=host.stamp,
+        )
 
     def wait(self) -> None:
         """Wait for this state's background write (a failed write is logged, the next load finds the older copy)."""
@@ -170,6 +276,15 @@ class ReplicaPool:
     def hold(self, replica: Replica) -> None:
         """A node holds ``replica`` (it stays until released)."""
         self._holders[replica.ident] = self._holders.get(replica.ident, 0) + 1
+
+    @contextlib.contextmanager
+    def holding(self, replica: Replica) -> Iterator[Replica]:
+        """Hold ``replica`` for the ``with`` block (nothing recycles it meanwhile), then release it."""
+        self.hold(replica)
+        try:
+            yield replica
+        finally:
+            self.release(replica)
 
     def release(self, replica: Replica) -> None:
         """A node no longer holds ``replica``."""
@@ -285,6 +400,17 @@ class Residents:
     def nbytes(self) -> int:
         """Bytes of the resident nodes' own tensors."""
         return sum(node.nbytes() for node, _ in self._nodes.values())
+
+
+@dataclass
+class Device:
+    """What a client holds per compute device: the model, the crossing to the host, the replicas, the residents."""
+
+    bound: Binding
+    placement: Placement
+    pool: ReplicaPool
+    residents: Residents
+    grad: torch.Tensor | None = None  # the flat gradient's buffer, reused every step
 
 
 def device_memory(device: torch.device) -> int:

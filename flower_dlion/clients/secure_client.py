@@ -164,6 +164,7 @@ def mask_upload(
     public_of = dict(zip(peers, publics, strict=True))
     if public_of[me] != key.public_key().public_bytes_raw():
         raise _fail(context, f"{where}: the server lists another public mask key for this node")
+    moments = buffer_moments(spec, arrays["buffers"].numpy()) if "buffers" in arrays else None  # what is summed
     neighbours, seeds = masking.neighbours(peers, me, degree, [server_round]), []
     for peer in neighbours:
         try:
@@ -175,8 +176,8 @@ def mask_upload(
     masks = [(sigma, masking.mask_stream(seed, d, bits)) for sigma, seed in signed]
     planes = masking.masked_planes(np.frombuffer(arrays["signs"].data, dtype=np.uint8), d, bits, masks)
     out = {"masked": Array(dtype="level", shape=(d,), stype=MASKED_STYPE, data=planes.tobytes())}
-    if "buffers" in arrays:
-        fixed = masking.to_fixed(buffer_moments(spec, arrays["buffers"].numpy()))
+    if moments is not None:
+        fixed = masking.to_fixed(moments)
         for sigma, seed in signed:  # uint64 arithmetic wraps: mod 2⁶⁴
             mask = masking.buffer_mask(seed, fixed.size)
             fixed = fixed + mask if sigma > 0 else fixed - mask

@@ -1,9 +1,10 @@
 """What a D-Lion client persists of a node between rounds, on the host, and the checks a loaded copy passes.
 
 Host side only: everything here is numpy arrays and numbers (:class:`HostState`). A tensor on
-the client's compute device never reaches this module; :mod:`.placement` converts between the
-two, in one place, and a tensor handed here by mistake fails on the CPU as it would on a GPU
-(:func:`check_state` and the writers of :mod:`.state_store` take numpy arrays only).
+the client's compute device never reaches this module; :meth:`.resident.NodeState.to_host` and
+:meth:`.resident.NodeState.from_host` convert between the two (through :mod:`.placement`), and
+a tensor handed here by mistake fails on the CPU as it would on a GPU (:func:`check_state` and
+the writers of :mod:`.state_store` take numpy arrays only).
 
 What is persisted of a node (:class:`HostState`):
 
@@ -27,11 +28,9 @@ says which copy (the file, or ``context.state``) and why, the copy is dropped (a
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
-import struct
 import tempfile
 import zlib
 from collections.abc import Mapping
@@ -57,10 +56,6 @@ __all__ = [
     "default_state_dir",
     "narrow_counts",
     "node_label",
-    "read_state_file",
-    "read_state_header",
-    "require_host",
-    "write_state_file",
 ]
 
 logger = logging.getLogger("flower_dlion")
@@ -70,7 +65,6 @@ STATE_REST = "dlion.rest"
 STATE_META = "dlion.state-meta"
 CONTEXT_LIMIT = 1 << 30  # bytes of state above which context.state is refused (protobuf's limit is 2 GiB a message)
 FORMAT = 2  # of the persisted state (1: x, m, anchor and int32 counts as torch.save'd tensors, no owner or stamp)
-MAGIC = b"DLS2"
 COUNT_LIMIT = 1 << 30  # |C| beyond this is no count of votes
 CONTEXTS = 9  # a coder context is 0–8 (flower_dlion.anchored_counts)
 
@@ -290,15 +284,6 @@ def _check_counts(host: HostState, d: int) -> None:
         raise StateRefused(f"anchor version {host.anchor_version} is after version {host.version}")
 
 
-def require_host(host: HostState) -> None:
-    """A ``TypeError`` for anything but numpy arrays in ``host``: on the CPU as on a GPU, where a tensor fails later."""
-    named = {"m": host.m, "e": host.error, "x": host.x, "anchor": host.anchor, "counts": host.counts}
-    named |= {"recent": host.recent} | {f"rest {k!r}": v for k, v in host.rest.items()}
-    for name, a in named.items():
-        if a is not None and not isinstance(a, np.ndarray):
-            raise TypeError(f"{name} is a {type(a).__name__}, not a host numpy array: convert it in clients.placement")
-
-
 def _check_array(name: str, a: Any, d: int, dtypes: tuple[type, ...]) -> None:
     if not isinstance(a, np.ndarray):
         raise TypeError(f"{name} is a {type(a).__name__}, not a host numpy array: convert it in clients.placement")
@@ -336,73 +321,3 @@ def narrow_counts(counts: np.ndarray) -> np.ndarray:
         if info.min <= low and high <= info.max:
             return counts.astype(dtype)
     return counts
-
-
-# --------------------------------------------------------------------------- the file format
-def write_state_file(path: Path, host: HostState, *, in_place: bool = False) -> None:
-    """``host`` as one file: magic, header (JSON), the arrays' bytes, CRC-32 of all before it.
-
-    Written to a temporary name and renamed (readers see the old file or the new one), or,
-    ``in_place``, over the file that is there: its pages are reused, about 5× faster for a
-    state of 10⁷ values (new pages and freeing the old ones cost more than the copy); a reader
-    of a half-written file finds its CRC wrong (:class:`StateStore` alternates two such files).
-    """
-    arrays = host.arrays() | {f"rest/{k}": v for k, v in host.rest.items()}
-    if host.undo:
-        arrays["undo"] = np.frombuffer(host.undo, dtype=np.uint8)
-    table = [[name, a.dtype.str, list(a.shape)] for name, a in arrays.items()]
-    header = json.dumps({"meta": host.meta(), "arrays": table}, separators=(",", ":")).encode()
-    target = path if in_place else path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    crc = 0
-    with open(target, "r+b" if in_place and target.exists() else "wb") as f:
-        for part in [MAGIC + struct.pack("<I", len(header)) + header, *arrays.values()]:
-            view = memoryview(np.ascontiguousarray(part) if isinstance(part, np.ndarray) else part).cast("B")
-            f.write(view)
-            crc = zlib.crc32(view, crc)  # releases the GIL on large buffers
-        f.write(struct.pack("<I", crc))
-        f.truncate()
-    if not in_place:
-        os.replace(target, path)
-
-
-def read_state_header(path: Path) -> dict[str, Any] | None:
-    """The meta of a state file's header (a few hundred bytes read), or None where it is not readable."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) != 8 or head[:4] != MAGIC:
-                return None
-            (length,) = struct.unpack_from("<I", head, 4)
-            meta = json.loads(f.read(length))["meta"]
-            return meta if isinstance(meta, dict) else None
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def read_state_file(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """The header's meta and the arrays (writable, no copy beyond the read) of a state file.
-
-    Raises ``StateRefused`` for a damaged file.
-    """
-    size = path.stat().st_size
-    data = bytearray(size)
-    with open(path, "rb") as f:
-        if f.readinto(data) != size:
-            raise StateRefused("it was truncated while being read")
-    if size < len(MAGIC) + 8 or data[:4] != MAGIC:
-        raise StateRefused(f"not a state file of format {FORMAT} ({size} bytes, starts {bytes(data[:4])!r})")
-    if zlib.crc32(memoryview(data)[:-4]) != struct.unpack_from("<I", data, size - 4)[0]:
-        raise StateRefused(f"CRC-32 mismatch over its {size} bytes (truncated or corrupted)")
-    (length,) = struct.unpack_from("<I", data, 4)
-    try:
-        header = json.loads(bytes(data[8 : 8 + length]))
-        offset, arrays = 8 + length, {}
-        for name, dtype, shape in header["arrays"]:
-            count = int(np.prod(shape, dtype=np.int64))
-            arrays[name] = np.frombuffer(data, dtype=np.dtype(dtype), count=count, offset=offset).reshape(shape)
-            offset += arrays[name].nbytes
-        if offset != size - 4:
-            raise ValueError(f"its arrays end at byte {offset}, the file at {size - 4}")
-        return header["meta"], arrays
-    except (KeyError, TypeError, ValueError) as err:
-        raise StateRefused(f"malformed header ({err})") from err

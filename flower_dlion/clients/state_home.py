@@ -10,7 +10,11 @@ so the state follows a virtual client to whichever machine of a Ray cluster serv
 cost of 9–10 bytes a parameter of memory in the simulation's process for every client ever
 touched; :func:`check_fits` refuses a federation whose contexts cannot fit, before round 1.
 
-Host side only: paths, sizes, numbers.
+The one door to a node's state for a message is :func:`open_state`: it finds where the state
+is persisted (:func:`node_store`), starts from the node's resident state while its persisted
+copy is still the one it wrote, else from that copy (:meth:`.resident.NodeState.from_host`), and
+the :class:`OpenState` it returns brings the node to the server's version (:meth:`OpenState.catch_up`)
+and keeps it for the next message (:meth:`OpenState.keep`: persisted, resident, a failed write said).
 """
 
 from __future__ import annotations
@@ -18,19 +22,25 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from flwr.app import Context
+from flwr.app import Context, Message, RecordDict
 
+from ..params import ModelSpec, layout_fingerprint
 from ..protocol import ClientStateError
-from .state import CONTEXT_LIMIT, default_state_dir, node_label
+from .placement import Placement
+from .replica import Apply, apply_message
+from .resident import Device, NodeState, Residents
+from .state import CONTEXT_LIMIT, Expected, default_state_dir, node_label
 from .state_store import StateStore
+from .state_writes import said, tell
 
 if TYPE_CHECKING:
     from .settings import ClientSettings
 
-__all__ = ["CONTEXT_BYTES", "FILE_BYTES", "check_fits", "node_store"]
+__all__ = ["CONTEXT_BYTES", "FILE_BYTES", "OpenState", "check_fits", "node_store", "open_state", "probe"]
 
 logger = logging.getLogger("flower_dlion")
 
@@ -67,6 +77,136 @@ def node_store(
     folder = None if root is None else Path(root).expanduser() / run / node_label(context)
     store = StateStore(context, in_context=in_context, folder=folder, as_of=as_of, keep_round=keep_round, owner=owner)
     return store, owner
+
+
+@dataclass
+class OpenState:
+    """One node's state for one message, from :func:`open_state`: where it is kept and what the message starts from.
+
+    Attributes
+    ----------
+    store : StateStore
+        Where its state is persisted.
+    owner : str
+        Whose state it is (``<run key>/<node label>``).
+    node : NodeState | None
+        The state the message starts from (None: the node has none).
+    residents : Residents
+        The device's resident states (this node's is kept there).
+    placement : Placement
+        The crossing between the host and the device.
+
+    """
+
+    store: StateStore
+    owner: str
+    node: NodeState | None
+    residents: Residents
+    placement: Placement
+
+    def catch_up(self, content: RecordDict, env: Apply) -> NodeState:
+        """The node at the server's version (:func:`.replica.apply_message`); what cannot be applied is refused by name.
+
+        A refusal says where a node without state looked for it (a deleted file), and a write of
+        its state that failed.
+        """
+        node, cfg = self.node, env.round
+        try:
+            return apply_message(content, node, env)
+        except ClientStateError as err:
+            where, failure = (
+                f" (its state: {self.store.where()})" if node is None else "",
+                said(self.owner, env.node_id),
+            )
+            if where or failure:
+                raise ClientStateError(f"{err}{where}{failure}") from err
+            raise
+        except (KeyError, TypeError, ValueError) as err:  # a record or key missing, a value of another type
+            raise ClientStateError(
+                f"node {env.node_id}: the server's round {cfg.server_round} message is malformed "
+                f"({type(err).__name__}: {err}): refused"
+            ) from err
+
+    def keep(
+        self, node: NodeState, reply: Message, *, spec: ModelSpec, momentum_dtype: str, background: bool
+    ) -> Message:
+        """Step 5: ``node`` persisted (m in ``momentum_dtype``) and resident; ``reply`` with any failed write.
+
+        ``background``: write a state file after the reply has gone (a process that lives on).
+        """
+        host = node.to_host(self.placement, momentum_dtype)
+        host.owner, host.layout = self.owner, layout_fingerprint(spec.layout)
+        node.stamp, node.pending = self.store.save(host, background=background)
+        self.residents.put(self.owner, node)
+        context = self.store.context
+        return tell(reply, self.owner, context.node_id, node.round - (node.pending is not None))
+
+    def forget(self) -> None:
+        """Drop the node's resident state: its next message starts from the persisted copy (unchanged)."""
+        self.residents.drop(self.owner)
+
+
+def open_state(
+    context: Context,
+    settings: ClientSettings,
+    here: Device,
+    *,
+    state_key: str,
+    as_of: int,
+    keep_round: int,
+    told: set[str],
+    hello: bool = False,
+) -> OpenState:
+    """The node's state for this message: resident while its persisted copy is the one it wrote, else that copy.
+
+    ``here``: the client's device (its model, residents and replicas). ``state_key``, ``as_of``,
+    ``keep_round``: see :func:`node_store`. ``told``: what this client
+    has logged once already. ``hello``: before round 1, a state folder this node cannot write,
+    or a federation whose states cannot fit (:func:`check_fits`), fails now.
+    """
+    spec, residents, placement = here.bound.spec, here.residents, here.placement
+    store, owner = node_store(context, settings, d=spec.d, state_key=state_key, as_of=as_of, keep_round=keep_round)
+    if hello:
+        probe(store)
+        clients = int(context.node_config.get("num-partitions", 1))  # the simulation's virtual clients
+        check_fits(store, d=spec.d, momentum_dtype=settings.momentum_dtype, node_id=context.node_id, clients=clients)
+    node = residents.get(owner)
+    if node is not None:
+        current = store.current()
+        if current is not None and current[1] == node.stamp:
+            return OpenState(store, owner, node, residents, placement)
+        residents.drop(owner)
+        if "resident" not in told:
+            told.add("resident")
+            logger.warning(
+                "flower-dlion: node %d: its state on the device is not its persisted copy (%s, written %s): "
+                "the persisted copy wins (logged once)",
+                context.node_id,
+                store.where(),
+                "by another process, or changed since" if current is not None else "nowhere: none there",
+            )
+    rest = {e.name: tuple(e.shape) for e in spec.rest}
+    layout = layout_fingerprint(spec.layout)
+    expect = Expected(d=spec.d, owner=owner, layout=layout, rest=rest, held=residents.pool.idents())
+    host = store.load(expect, context.node_id)
+    node = None if host is None else NodeState.from_host(host, residents.pool, placement)
+    return OpenState(store, owner, node, residents, placement)
+
+
+def probe(store: StateStore) -> None:
+    """Write and remove a small file in the store's folder, or raise ClientStateError saying why it cannot."""
+    if store.folder is None:
+        return
+    path = store.folder / f".probe.{os.getpid()}"
+    try:
+        store.folder.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"flower-dlion")
+        path.unlink()
+    except OSError as err:
+        raise ClientStateError(
+            f"node {store.context.node_id}: its state folder {store.folder} cannot be written ({err}); choose a "
+            "writable one: run config 'client-state-dir', DLionClient(state_dir=...)"
+        ) from err
 
 
 def check_fits(store: StateStore, d: int, momentum_dtype: str, node_id: int, clients: int) -> None:

@@ -43,7 +43,14 @@ def failed(owner: str, context: Context, server_round: int, path: Path | None, e
     """
     pid = int(context.node_config.get("partition-id", -1))
     where = str(err.filename) if err.filename is not None else str(path)
-    failure = WriteFailure(context.node_id, pid, where, err.errno or 0, err.strerror or str(err), server_round)
+    failure = WriteFailure(
+        node_id=context.node_id,
+        partition=pid,
+        path=where,
+        errno=err.errno or 0,
+        error=err.strerror or str(err),
+        round=server_round,
+    )
     logger.warning(
         "flower-dlion: %s (its round %d state; the node's older copy stays; its next reply tells the server)",
         failure.text(),

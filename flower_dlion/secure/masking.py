@@ -55,7 +55,6 @@ __all__ = [
     "planes_bytes",
     "round_mask",
     "round_seed",
-    "subtract_planes_",
     "sum_planes",
     "to_fixed",
 ]
@@ -160,11 +159,6 @@ def add_planes_(acc: np.ndarray, planes: np.ndarray, *, subtract: bool = False) 
         np.bitwise_xor(a, carry, out=a)
         np.bitwise_and(carry, half, out=carry)
         np.bitwise_or(carry, out, out=carry)
-
-
-def subtract_planes_(acc: np.ndarray, planes: np.ndarray) -> None:
-    """``acc ← acc − planes`` mod 2ᵇ (:func:`add_planes_` with ``subtract=True``)."""
-    add_planes_(acc, planes, subtract=True)
 
 
 def neighbours(keys: list[int], me: int, degree: int, seed: list[int]) -> list[int]:

@@ -8,7 +8,6 @@ can start at a later round (a resume); federated evaluation sends Flower's own e
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 from logging import INFO, WARNING
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -22,34 +21,23 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 from flwr.supercore import log
 
 from ..params import ModelSpec
-from ..protocol import RejectedReply, error_text, to_array
+from ..protocol import RejectedReply, error_text
+from .global_model import GlobalModel, Layout
 from .nodes import Nodes
-from .replies import CheckedReplies, check_each, log_refused, sort_replies
+from .replies import CheckedReplies, check_each, sort_replies
 from .run_loop import DLionResult, run_rounds, run_totals
-from .run_stops import FailedRounds
+from .run_stops import FailedRounds, whole_reason
 
 if TYPE_CHECKING:
     from .secure_rounds import SecureRounds
 
-__all__ = ["CheckedReplies", "DLionResult", "Layout", "ServerModelStrategy", "check_common_args"]
+__all__ = ["CheckedReplies", "DLionResult", "Layout", "ServerModelStrategy"]
 
-Layout = list[tuple[str, tuple[int, ...]]]
 R = TypeVar("R")
 
 
-def check_common_args(*, lr: float, weight_decay: float, betas: dict[str, float]) -> None:
-    """Raise ``ValueError`` (torch.optim's wording) for a bad learning rate, decay or beta."""
-    if not (math.isfinite(lr) and lr > 0.0):
-        raise ValueError(f"Invalid learning rate: {lr} (must be finite and > 0)")
-    if not (math.isfinite(weight_decay) and weight_decay >= 0.0):
-        raise ValueError(f"Invalid weight_decay value: {weight_decay} (must be finite and >= 0)")
-    for name, beta in betas.items():
-        if not 0.0 <= beta < 1.0:
-            raise ValueError(f"Invalid {name} parameter: {beta} (must be in [0, 1))")
-
-
 class ServerModelStrategy(Strategy):
-    """Base of our strategies: the strategy holds the global model (x and the rest of the model).
+    """Base of our strategies: the strategy holds the global model (``strategy.model``, a :class:`GlobalModel`).
 
     x is taken from the initial arrays in round 1 (by the subclass's configure_train): the entries the
     clients' model description (their hello) calls trainable, every array when they send none.
@@ -91,6 +79,7 @@ class ServerModelStrategy(Strategy):
     """
 
     secure_rounds: SecureRounds | None = None  # secure aggregation's keys and unmasking (DistributedLion's)
+    _failures: FailedRounds  # failed rounds in a row, and why (the run's stop rule; set in __init__)
 
     def __init__(
         self,
@@ -128,12 +117,7 @@ class ServerModelStrategy(Strategy):
         self.sample_seed = sample_seed
         self.max_failed_rounds = max_failed_rounds
         self._failures = FailedRounds(max_failed_rounds, min_replies)  # failed rounds in a row, and why
-        self.x: torch.Tensor | None = None  # the global model's trainable parameters, flat float32
-        self.spec: ModelSpec | None = None  # what the model holds (set with x)
-        self._layout: Layout = []  # (name, shape) of each tensor of x
-        self._rest: dict[str, np.ndarray] = {}  # the buffers, by name (what full messages carry besides x)
-        self._frozen: dict[str, np.ndarray] = {}  # the initial arrays' frozen parameters: never sent, returned
-        self._out: dict[str, np.dtype] = {}  # name → the initial array's dtype (how arrays() returns it)
+        self.model = GlobalModel()  # x, its description and the rest of the model (set in round 1)
         self.nodes = Nodes(self, lambda node_id, why: self._failures.reject(node_id, why), wait_for_nodes)
         self._outbox: list[Message] = []  # the train messages of the round in progress
         self._evaluating: set[int] = set()  # nodes sent an evaluate message this round
@@ -153,14 +137,33 @@ class ServerModelStrategy(Strategy):
         self.nodes.wait_for_nodes = seconds  # checked there
 
     @property
+    def x(self) -> torch.Tensor | None:
+        """The global model's trainable parameters, flat float32 (None before round 1): ``model.x``."""
+        return self.model.x
+
+    @x.setter
+    def x(self, x: torch.Tensor | None) -> None:
+        self.model.x = x
+
+    @property
+    def spec(self) -> ModelSpec | None:
+        """What the model holds (set with x): ``model.spec``."""
+        return self.model.spec
+
+    @property
+    def _layout(self) -> Layout:
+        """(name, shape) of each tensor of x: ``model.layout``."""
+        return self.model.layout
+
+    @property
     def num_parameters(self) -> int:
         """Length d of the flat parameter vector (0 before the first round)."""
-        return 0 if self.x is None else self.x.numel()
+        return self.model.num_parameters
 
     @property
     def sizes(self) -> list[int]:
         """Number of values of each tensor of x, in flat order."""
-        return [math.prod(shape) for _, shape in self._layout]
+        return self.model.sizes
 
     # ------------------------------------------------------------------ the model
     def _init_model(self, arrays: ArrayRecord, spec: ModelSpec | None = None) -> None:
@@ -173,33 +176,11 @@ class ServerModelStrategy(Strategy):
             message names the first differing tensor.
 
         """
-        values = {name: arr.numpy() for name, arr in arrays.items()}
-        spec = ModelSpec.of_arrays(values) if spec is None else spec
-        spec.check_arrays(values, self._initial_checksums)
-        self.spec = spec
-        self._layout = spec.layout
-        self._out = {name: a.dtype for name, a in values.items()}
-        self.x = torch.cat(
-            [
-                torch.from_numpy(np.ascontiguousarray(values[e.name], dtype=np.float32)).reshape(-1)
-                for e in spec.trainable
-            ]
-        ).clone()
-        self._rest = {e.name: np.array(values[e.name]) for e in spec.rest}
-        self._frozen = {e.name: values[e.name] for e in spec.of_kind("frozen") if e.name in values}
+        self.model.take({name: arr.numpy() for name, arr in arrays.items()}, spec, self._initial_checksums)
 
     def arrays(self) -> ArrayRecord:
         """The global model as an ArrayRecord with the initial names, shapes and dtypes (a state_dict)."""
-        assert self.x is not None and self.spec is not None
-        flat, offset, out = self.x.numpy(), 0, {}
-        for e in self.spec.trainable:
-            out[e.name] = flat[offset : offset + e.size].reshape(e.shape).astype(self._out[e.name], copy=False)
-            offset += e.size
-        out |= self._rest | self._frozen
-        for e in self.spec.of_kind("alias"):
-            if e.target in out:  # not an alias of a frozen parameter the server holds no copy of
-                out[e.name] = out[e.target]
-        return ArrayRecord({name: to_array(out[name]) for name in self._out})  # the values copied once
+        return self.model.arrays()
 
     def _sample_with_model(self, grid: Grid, server_round: int, arrays: ArrayRecord) -> list[int]:
         """:meth:`_sample`, and in the first round x from ``arrays`` as the nodes' hellos describe the model.
@@ -237,8 +218,10 @@ class ServerModelStrategy(Strategy):
         For a strategy whose check is one function; each refusal is logged and counted, a node
         whose reply has the wrong layout is left out of sampling until it says hello again.
         """
-        checked = check_each(sort_replies(replies, self._outbox, self.nodes), check)
-        log_refused(server_round, checked, nodes=self.nodes, failures=self._failures, outbox=self._outbox)
+        checked = check_each(sort_replies(replies, self._outbox, self.nodes.pid_of), check)
+        self.nodes.log_refused(server_round, checked, self._outbox)
+        for reply, err in checked.refused:
+            self._failures.reject(reply.node_id, whole_reason(reply.msg, err))
         return checked
 
     def _round_outcome(self, server_round: int, valid: int, why: str) -> None:
@@ -389,24 +372,14 @@ class ServerModelStrategy(Strategy):
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """Everything the strategy needs to go on from here (torch-saveable)."""
-        return {
-            "x": None if self.x is None else self.x.clone(),
-            "spec": None if self.spec is None else self.spec.encode(),
-            "rest": {name: torch.from_numpy(a.copy()) for name, a in self._rest.items()},
-            "frozen": {name: torch.from_numpy(np.array(a)) for name, a in self._frozen.items()},
-            "out-dtypes": {name: str(dtype) for name, dtype in self._out.items()},
+        return self.model.to_dict() | {
             "partitions": dict(self.nodes.node_of),  # only informative: node ids change after a resume
             "history": [dict(h) for h in self.history],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Go on from :meth:`state_dict` (node ids are forgotten: nodes say hello again)."""
-        self.x = None if state["x"] is None else state["x"].clone()
-        self.spec = None if state["spec"] is None else ModelSpec.decode(state["spec"])
-        self._layout = [] if self.spec is None else self.spec.layout
-        self._rest = {name: t.numpy().copy() for name, t in state["rest"].items()}
-        self._frozen = {name: t.numpy().copy() for name, t in state.get("frozen", {}).items()}
-        self._out = {name: np.dtype(dtype) for name, dtype in state["out-dtypes"].items()}
+        self.model.load_dict(state)
         self.nodes.forget()
         self.history = [dict(h) for h in state.get("history", [])]
         self._failures = FailedRounds(self.max_failed_rounds, self.min_replies)

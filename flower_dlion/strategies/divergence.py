@@ -20,15 +20,13 @@ rebuilds the state from a run's history of round metrics (a resumed run goes on 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from logging import WARNING
 from typing import Any
 
-from flwr.app import Message, MetricRecord
 from flwr.supercore import log
 
-from ..protocol import METRICS
 from .run_stops import RunStopped
 
 __all__ = [
@@ -36,7 +34,6 @@ __all__ = [
     "DivergenceState",
     "replay",
     "report",
-    "reported_losses",
     "round_loss",
     "update",
     "watch",
@@ -96,30 +93,6 @@ def round_loss(metrics: Mapping[str, Any]) -> float | None:
     return float(metrics["train-loss"])
 
 
-def reported_losses(
-    replies: Iterable[Message], sent: Collection[int], partition_of: Callable[[int], int]
-) -> dict[NodeKey, float]:
-    """Each sent node's own ``train-loss`` as its first reply states it, valid or rejected (a NaN is rejected).
-
-    ``partition_of(node_id)`` gives the partition. Error replies, and replies without a number there, are left out.
-    """
-    out: dict[NodeKey, float] = {}
-    seen: set[int] = set()
-    for msg in replies:
-        node_id = msg.metadata.src_node_id
-        if msg.has_error() or node_id not in sent or node_id in seen:
-            continue
-        seen.add(node_id)
-        try:
-            record = msg.content[METRICS]
-            value = record["train-loss"] if isinstance(record, MetricRecord) else None
-        except (KeyError, TypeError, ValueError):
-            continue
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            out[(node_id, partition_of(node_id))] = float(value)
-    return out
-
-
 def update(
     state: DivergenceState,
     options: DivergenceOptions,
@@ -130,7 +103,7 @@ def update(
     """The state after ``server_round`` and its warning (None: no divergence seen), as the module doc says.
 
     ``loss``: the round's train loss (None: no valid reply); ``node_losses``: each node's own, by
-    (node id, partition) (:func:`reported_losses`).
+    (node id, partition) (:func:`.replies.reported_losses`).
     """
     f, minimum = options.divergence_factor, state.minimum
     threshold = f * minimum if 0.0 < minimum < math.inf else math.inf  # a loss that reaches 0 or below: no ratio

@@ -5,10 +5,12 @@ Start here. One round of :class:`DistributedLion`, and where each step lives:
 - ``configure_train`` (below) samples the nodes (:mod:`~.nodes`) and asks its downlink ``self.down``
   for each one's message (:class:`~.downlink.Downlink`: only what it lacks to reach x);
 - the client takes its Lion step and packs its signs (:mod:`flower_dlion.clients.dlion`);
-- ``aggregate_train`` (below) has its uplink ``self.up`` check the replies, vote or average them into
-  Δ and apply Δ to x (:class:`~.aggregation.Uplink`), and hands the encoded Δ to the downlink;
-- what the server keeps between rounds, and checkpoints, is a :class:`~.server_state.ServerState`
-  that both links share; they read the model through a :class:`ModelView`, the nodes a :class:`NodeView`.
+- ``aggregate_train`` (below) sorts the replies once, has ``self.check`` check them
+  (:class:`~.reply_check.ReplyCheck`), and each later step reads what the check returned: the refused
+  logged (:mod:`~.nodes`), the counts unmasked (``secure``), Δ voted or averaged and applied to x, the
+  metrics (``self.up``, :class:`~.uplink.Uplink`), the downlink told, the divergence watch, the stop rule;
+- the check and both links share the global model (``self.model``, :class:`~.global_model.GlobalModel`)
+  and what the server keeps between rounds, and checkpoints (:class:`~.server_state.ServerState`).
 
 The arguments are kept in small groups that check themselves (``strategy.options``, :mod:`~.options`);
 with ``secure=True``, :mod:`~.secure_rounds` keys the nodes and unmasks the counts.
@@ -21,23 +23,22 @@ from collections.abc import Callable, Iterable, Sequence
 from logging import WARNING
 from typing import Any, Literal
 
-import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
-from ..params import ModelSpec, layer_mask
+from ..params import ModelSpec
 from ..protocol import STATE_KEY, RejectedReply, checksum
 from . import divergence
 from .common import ServerModelStrategy
 from .downlink import Downlink
 from .nodes import described_model
 from .options import OptionAttribute, Options
-from .replies import log_refused, sort_replies
+from .replies import reported_losses, sort_replies
+from .reply_check import ReplyCheck
 from .secure_rounds import SecureRounds
-from .server_state import Broadcast, Round, ServerState
-from .uplink import RoundCounts, Uplink
-from .views import ModelView, NodeView
+from .server_state import Broadcast, Round, RoundCounts, ServerState
+from .uplink import Uplink
 
 __all__ = ["Broadcast", "DistributedLion", "RejectedReply", "ServerState"]
 
@@ -202,18 +203,37 @@ class DistributedLion(ServerModelStrategy):
 
     """
 
-    # Each option by its argument name, read-only: ``strategy.lr`` is ``strategy.options.step.lr``.
-    lr, lr_schedule, weight_decay, beta1, beta2 = OptionAttribute.group("step", 5)
-    local_steps, local_optimizer, local_lr, local_proximal_mu, stale_momentum, accumulate = OptionAttribute.group(
-        "local", 6
-    )  # fmt: skip
-    aggregation, upload, broadcast_bits, server_momentum, scale_block, sign_noise, sign_noise_kind = (
-        OptionAttribute.group("uplink", 7)
-    )
-    downlink, anchor_every, max_history_bytes, init_seed = OptionAttribute.group("downlink", 4)
-    momentum_sync_every, momentum_sync_layers, buffer_sync_every = OptionAttribute.group("sync", 3)
-    secure, secure_degree = OptionAttribute.group("secure", 2)
-    divergence_factor, divergence_rounds, stop_on_divergence = OptionAttribute.group("divergence", 3)
+    # Each option by its argument name, read-only, for users: ``strategy.lr`` is ``strategy.options.step.lr``.
+    lr = OptionAttribute("step")
+    lr_schedule = OptionAttribute("step")
+    weight_decay = OptionAttribute("step")
+    beta1 = OptionAttribute("step")
+    beta2 = OptionAttribute("step")
+    local_steps = OptionAttribute("local")
+    local_optimizer = OptionAttribute("local")
+    local_lr = OptionAttribute("local")
+    local_proximal_mu = OptionAttribute("local")
+    stale_momentum = OptionAttribute("local")
+    accumulate = OptionAttribute("local")
+    aggregation = OptionAttribute("uplink")
+    upload = OptionAttribute("uplink")
+    broadcast_bits = OptionAttribute("uplink")
+    server_momentum = OptionAttribute("uplink")
+    scale_block = OptionAttribute("uplink")
+    sign_noise = OptionAttribute("uplink")
+    sign_noise_kind = OptionAttribute("uplink")
+    downlink = OptionAttribute("downlink")
+    anchor_every = OptionAttribute("downlink")
+    max_history_bytes = OptionAttribute("downlink")
+    init_seed = OptionAttribute("downlink")
+    momentum_sync_every = OptionAttribute("sync")
+    momentum_sync_layers = OptionAttribute("sync")
+    buffer_sync_every = OptionAttribute("sync")
+    secure = OptionAttribute("secure")
+    secure_degree = OptionAttribute("secure")
+    divergence_factor = OptionAttribute("divergence")
+    divergence_rounds = OptionAttribute("divergence")
+    stop_on_divergence = OptionAttribute("divergence")
 
     def __init__(
         self,
@@ -271,21 +291,17 @@ class DistributedLion(ServerModelStrategy):
         self.state_key = state_key
         self._auto_key = secrets.token_hex(8)  # this run's, where state_key names none (see run_key)
         self.checkpoint_round = 0  # the latest checkpoint's round (clients keep their state as of it)
-        self._start_bookkeeping()
-
-    def _start_bookkeeping(self) -> None:
-        """The global model and its bookkeeping, empty (set from the initial arrays in round 1); the two links."""
         self._round: Round | None = None
-        self._mask: torch.Tensor | None = None  # parameters whose momentum is synchronized
         self._counts = RoundCounts()  # what the round in progress counted (resyncs, state resets, clipped scales)
         self.history: list[dict[str, Any]] = []  # one dict of metrics per aggregated round
         self.divergence = divergence.DivergenceState()  # the divergence watch's running minimum and streak
-        state, model = ServerState(), ModelView(self)
-        self.up = Uplink(self.options, state, model)  # replies in, Δ applied to x
-        self.down = Downlink(self.options, state, model, NodeView(self))  # what each node is sent
+        state, model = ServerState(), self.model
+        self.check = ReplyCheck(self.options, state, model)  # each reply refused or parsed
+        self.up = Uplink(self.options, state, model)  # the valid replies in, Δ applied to x
+        self.down = Downlink(self.options, state, model, self)  # what each node is sent
         self.secure_rounds = (  # keys, masks and unmasking (secure=True)
             SecureRounds(self.options.secure, lambda k: self.nodes.node_of.get(k), lambda: self.run_key)
-            if self.secure
+            if self.options.secure.secure
             else None
         )
         self._grid: Grid | None = None  # the round's grid (the unmasking asks the survivors for their reveals)
@@ -297,7 +313,7 @@ class DistributedLion(ServerModelStrategy):
 
     @state.setter
     def state(self, state: ServerState) -> None:
-        self.up.state = self.down.state = state
+        self.check.state = self.up.state = self.down.state = state
 
     @property
     def run_key(self) -> str:
@@ -321,7 +337,7 @@ class DistributedLion(ServerModelStrategy):
     def _init_model(self, arrays: ArrayRecord, spec: ModelSpec | None = None) -> None:
         """Take x from the initial arrays; set up the momentum mask and the downlink (x₀'s checksum, the anchor)."""
         super()._init_model(arrays, spec)
-        self._mask = layer_mask(self._layout, self.momentum_sync_layers)
+        self.model.mask_momentum(self.options.sync.momentum_sync_layers)
         self.down.start()
 
     def _check_hello(self, node_id: int, record: ConfigRecord | MetricRecord) -> None:
@@ -379,63 +395,51 @@ class DistributedLion(ServerModelStrategy):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Validate the replies, vote or average their updates, apply Δ to x, and return x.
+        """Check the replies, vote or average the valid uploads into Δ, apply Δ to x, and return x.
 
-        Each step is the uplink's (:class:`~.aggregation.Uplink`: ``check_reply``, ``apply``,
-        ``round_metrics``); the Δ it applied goes to the downlink (``remember``). What each key of
-        the returned MetricRecord means, its range in an honest run and when it signals a problem:
-        docs/USER_GUIDE.md, "The round's metrics".
+        The replies are sorted and checked once; each later step reads what the check returned (the
+        module doc lists them). What each key of the returned MetricRecord means, its range in an
+        honest run and when it signals a problem: docs/USER_GUIDE.md, "The round's metrics".
         """
-        rnd = self._round
+        rnd, counts, secure = self._round, self._counts, self.secure_rounds
         if rnd is None or rnd.server_round != server_round or self.x is None:
             raise RuntimeError(f"aggregate_train({server_round}) without configure_train for that round")
-        replies, counts = list(replies), self._counts
-        checked = self.up.check_replies(sort_replies(replies, self._outbox, self.nodes), rnd, counts)
-        log_refused(server_round, checked, nodes=self.nodes, failures=self._failures, outbox=self._outbox)
-        valid = sorted(checked.valid, key=lambda r: r.node_id)  # a fixed order: float sums are reproducible
-        self.down.confirm(valid, rnd)
-        outcome, unmasked, d = None, None, self.num_parameters
-        if self.secure_rounds is not None:  # the masked sum of the survivors, unmasked: the counts (or none)
+        arrived = sort_replies(replies, self._outbox, self.nodes.pid_of)
+        losses = reported_losses(arrived, rnd.sent)  # each sent node's own train-loss, rejected ones (NaN) too
+        checked = self.check.check_replies(arrived, rnd, counts)
+        self.nodes.log_refused(server_round, checked.replies, self._outbox)
+        valid, unmasked = checked.valid, None
+        if secure is not None:  # the masked sum of the survivors, unmasked: the counts (or none)
             assert self._grid is not None
-            valid, unmasked = self.secure_rounds.counts(self._grid, rnd, replies, valid, self.partition_of, d)
-        if len(valid) >= self.min_replies:
-            outcome = self.up.apply(valid, rnd, counts, unmasked)
-            if outcome.broadcast is not None:  # the chain downlink keeps it for clients that fall behind
-                self.down.remember(outcome.broadcast)
-        else:
+            valid, unmasked = secure.counts(
+                self._grid, rnd, checked.errors, valid, self.partition_of, self.num_parameters
+            )
+        outcome = self.up.apply(valid, rnd, counts, unmasked) if len(valid) >= self.min_replies else None
+        if outcome is None:
             n, least = len(valid), self.min_replies
             log(WARNING, "round %d: %d valid replies < min_replies=%d, x unchanged", server_round, n, least)
-        metrics = self.up.round_metrics(rnd, replies, valid, checked, outcome, counts)
-        if self.secure_rounds is not None:  # its key and unmask queries are the round's traffic too
-            metrics |= self.secure_rounds.round_bytes(metrics)
+        queries = None if secure is None else secure.round_bytes()  # its key and unmask queries' traffic
+        metrics = self.up.round_metrics(rnd, checked, valid, outcome, counts, queries)
+        self.down.end_round(checked.valid, rnd, None if outcome is None else outcome.broadcast)
         self.history.append({"round": server_round, **metrics})
         self._round, self._counts = None, RoundCounts()
-        missing = len(set(rnd.sent) - checked.answered)
-        why = f"{len(valid)} valid of {len(rnd.sent)} sent ({checked.rejected} rejected, {missing} without a reply)"
-        losses = divergence.reported_losses(replies, rnd.sent, self.partition_of)  # rejected ones (NaN) too
         self.divergence = divergence.watch(self.divergence, self.options.divergence, server_round, metrics, losses)
-        self._round_outcome(server_round, len(valid), why)  # RunStopped after max_failed_rounds failed rounds
-        if (stop := self.up.take_stop()) is not None:
-            raise stop  # no node can keep its state (.state_writes): its row is in the history
+        self._failures.count_round(server_round, checked.replies, len(valid), rnd.sent)  # RunStopped: too many failed
+        if checked.stop is not None:
+            raise checked.stop  # no node can keep its state (.state_writes): its row is in the history
         return self.arrays(), MetricRecord(metrics)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """x, the server state (:class:`ServerState`), the run's keys and the metrics so far."""
-        return (
-            super().state_dict()
-            | self.state.to_dict()
-            | {
-                "state_key": self.state_key,
-                "run_key": self.run_key,
-                "secure": None if self.secure_rounds is None else self.secure_rounds.state_dict(),
-            }
-        )
+        keys = {"state_key": self.state_key, "run_key": self.run_key}
+        secure = None if self.secure_rounds is None else self.secure_rounds.state_dict()
+        return super().state_dict() | self.state.to_dict() | keys | {"secure": secure}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Go on from :meth:`state_dict`: every node says hello again and is sent what it lacks."""
         super().load_state_dict(state)
-        self._mask = layer_mask(self._layout, self.momentum_sync_layers)
+        self.model.mask_momentum(self.options.sync.momentum_sync_layers)
         self.divergence = divergence.replay(self.options.divergence, self.history)  # m and the streak, from history
         self.state = ServerState.from_dict(state)
         self.state_key = str(state["state_key"])

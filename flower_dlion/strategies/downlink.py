@@ -1,7 +1,8 @@
 """The downlink of Distributed Lion: an object that builds what each sampled node is sent, only what it lacks.
 
-:class:`Downlink` is given the strategy's options, its :class:`~.server_state.ServerState`, a
-read-only view of its model and a view of its nodes (``DistributedLion.down``);
+:class:`Downlink` is given the strategy's options, its :class:`~.server_state.ServerState`, its
+:class:`~.global_model.GlobalModel` and its run (a :class:`Run`: the nodes' partitions, the run's
+keys; ``DistributedLion.down``);
 ``DistributedLion.configure_train`` asks it for each node's message (:meth:`Downlink.message_for`).
 A node's message holds the round's config (:meth:`Downlink.round_config`) and, by what the server
 knows of the node's replica (``ServerState.version_of``), one of:
@@ -12,7 +13,7 @@ knows of the node's replica (``ServerState.version_of``), one of:
   counts since version 0, or the anchor xₐ and the counts since it (``_anchored_content``); an option
   that cannot be the smallest is never coded (``_anchored_choice``: no coding for in-sync nodes);
 - the chain: the packed Δs it missed, one by one (``_chain_since``; the strategy hands each
-  round's Δ from the uplink to :meth:`Downlink.remember`);
+  round's Δ from the uplink to :meth:`Downlink.end_round`);
 - the full model (float32), or x₀'s seed and the Δs since: a new node, a lost replica, a
   checksum mismatch.
 
@@ -24,7 +25,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable
 from logging import WARNING
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -46,16 +47,31 @@ from ..protocol import (
     to_array,
 )
 from ..round_records import RoundConfig
-from .options import OptionAttribute, Options
+from .global_model import GlobalModel
+from .options import Options
 from .server_state import Broadcast, Round, ServerState, ValidReply
 
-if TYPE_CHECKING:
-    from .views import ModelView, NodeView
-
-__all__ = ["Downlink", "payload_crc"]
+__all__ = ["Downlink", "Run", "payload_crc"]
 
 Content = tuple[RecordDict, str, int]  # a message's content, its kind and its payload length in bytes
 Option = tuple[int, str, int, list[Segment]]  # an anchored catch-up: its bytes, kind, base version, segments
+
+
+class Run(Protocol):
+    """What the downlink reads of the strategy's run: its nodes' partitions, seeds and keys (the strategy is one)."""
+
+    sample_seed: int  # the seed of the sampling, also the clients' (their batch order and coin flips)
+    state_key: str  # "" when none was given: the clients' state files do not outlive the run
+    checkpoint_round: int  # the latest checkpoint's round (clients keep their state as of it)
+
+    @property
+    def run_key(self) -> str:
+        """The key the clients file their state under."""
+        ...
+
+    def partition_of(self, node_id: int) -> int:
+        """The partition (or node) key that the server files a node's replica under (-1 if unknown)."""
+        ...
 
 
 class Downlink:
@@ -66,36 +82,18 @@ class Downlink:
     Parameters
     ----------
     options : Options
-        The strategy's options (read-only); ``downlink.beta1`` is ``options.step.beta1``.
+        The strategy's options (read-only).
     state : ServerState
         The server's state, shared with the uplink (x's version, what each replica holds, the
         anchored history or the kept Δs, x₀'s checksum, the synced momentum).
-    model : ModelView
-        The strategy's model, read-only: x, its layout and sizes, the rest.
-    nodes : NodeView
+    model : GlobalModel
+        The strategy's model, read here: x, its layout and sizes, the rest.
+    nodes : Run
         The strategy's nodes and run: partitions, the sampling seed, the run's key, the checkpoint round.
 
     """
 
-    # Each option read here by its argument name: ``self.beta1`` is ``self.options.step.beta1``.
-    beta1 = OptionAttribute("step")
-    beta2 = OptionAttribute("step")
-    weight_decay = OptionAttribute("step")
-    local_steps = OptionAttribute("local")
-    local_optimizer = OptionAttribute("local")
-    local_lr = OptionAttribute("local")
-    local_proximal_mu = OptionAttribute("local")
-    stale_momentum = OptionAttribute("local")
-    accumulate = OptionAttribute("local")
-    upload = OptionAttribute("uplink")
-    scale_block = OptionAttribute("uplink")
-    anchor_every = OptionAttribute("downlink")
-    max_history_bytes = OptionAttribute("downlink")
-    init_seed = OptionAttribute("downlink")
-    momentum_sync_every = OptionAttribute("sync")
-    momentum_sync_layers = OptionAttribute("sync")
-
-    def __init__(self, options: Options, state: ServerState, model: ModelView, nodes: NodeView) -> None:
+    def __init__(self, options: Options, state: ServerState, model: GlobalModel, nodes: Run) -> None:
         self.options = options
         self.state = state
         self.model = model
@@ -108,14 +106,14 @@ class Downlink:
 
     def start(self) -> None:
         """Set up what the downlink keeps once x is known: x₀'s checksum and, anchored, the history at x₀."""
-        x, step = self.model.x, self.options.step
+        x, step, down = self.model.x, self.options.step, self.options.downlink
         assert x is not None
         self.state.x0_checksum = state_checksum(x, self.model.rest)
         if self.anchored:
             k, d = self.options.local.lion_steps, self.model.num_parameters
-            memory = 32 * d if self.max_history_bytes is None else self.max_history_bytes
+            memory = 32 * d if down.max_history_bytes is None else down.max_history_bytes
             self.state.anchored = AnchoredHistory(
-                x.clone(), 1.0 - step.lr * step.weight_decay * k, step.lr * k, self.anchor_every,
+                x.clone(), 1.0 - step.lr * step.weight_decay * k, step.lr * k, down.anchor_every,
                 entropy.blocks_of(self.model.sizes), memory,
             )  # fmt: skip
 
@@ -143,34 +141,45 @@ class Downlink:
 
     def round_config(self, server_round: int, rnd: Round) -> ConfigRecord:
         """The keys every client gets this round (:class:`RoundConfig`: non-default values only, to save bytes)."""
-        sgd, local_lion = self.local_optimizer == "sgd", self.local_optimizer == "lion" and self.local_steps > 1
+        step, local, up, sync = self.options.step, self.options.local, self.options.uplink, self.options.sync
+        sgd, local_lion = local.local_optimizer == "sgd", local.local_optimizer == "lion" and local.local_steps > 1
         files = bool(self.nodes.state_key)  # files that outlive the run: as of which round, and which round to keep
         return RoundConfig(
             server_round=server_round,
             version=self.state.version,
             seed=self.nodes.sample_seed,
-            beta1=self.beta1,
-            beta2=self.beta2,
-            local_steps=self.local_steps,
-            accumulate=self.accumulate,
-            local_optimizer=self.local_optimizer,
-            local_lr=float(self.local_lr or 0.0) if sgd else rnd.lr if local_lion else 0.0,
-            local_weight_decay=self.weight_decay if local_lion else 0.0,
-            local_proximal_mu=self.local_proximal_mu,
-            stale_momentum=self.stale_momentum,
-            upload=self.upload,
-            scale_block=self.scale_block,
-            sign_noise=self.options.uplink.sign_noise,
-            sign_noise_kind=self.options.uplink.sign_noise_kind,
+            beta1=step.beta1,
+            beta2=step.beta2,
+            local_steps=local.local_steps,
+            accumulate=local.accumulate,
+            local_optimizer=local.local_optimizer,
+            local_lr=float(local.local_lr or 0.0) if sgd else rnd.lr if local_lion else 0.0,
+            local_weight_decay=step.weight_decay if local_lion else 0.0,
+            local_proximal_mu=local.local_proximal_mu,
+            stale_momentum=local.stale_momentum,
+            upload=up.upload,
+            scale_block=up.scale_block,
+            sign_noise=up.sign_noise,
+            sign_noise_kind=up.sign_noise_kind,
             momentum_sync=rnd.momentum_sync,
             buffers=rnd.buffer_sync,
-            momentum_sync_layers=",".join(self.momentum_sync_layers) if self.momentum_sync_every else "",
+            momentum_sync_layers=",".join(sync.momentum_sync_layers) if sync.momentum_sync_every else "",
             state_key=self.nodes.run_key,  # the client's state is this run's alone
             state_round=server_round - 1 if files else None,
             keep_round=self.nodes.checkpoint_round if files else 0,
             secure=self.options.secure.secure,
             checksum=rnd.base_checksum,  # the node checks its replica against it before it keeps anything
         ).to_record()
+
+    def end_round(self, valid: list[ValidReply], rnd: Round, broadcast: Broadcast | None) -> None:
+        """What the round leaves the downlink: the replicas it confirmed, and its Δ for the chain downlink.
+
+        ``valid``: the replies that passed their checks (:meth:`confirm`); ``broadcast``: the
+        applied Δ, encoded (:meth:`remember`; None: none applied, or the anchored downlink).
+        """
+        self.confirm(valid, rnd)
+        if broadcast is not None:
+            self.remember(broadcast)
 
     def confirm(self, valid: list[ValidReply], rnd: Round) -> None:
         """The nodes of the valid replies hold the round's base version (and the context they named).
@@ -213,7 +222,7 @@ class Downlink:
         have = self.state.version_of.get(pid)
         if self.state.anchored is not None and have != self.state.version:
             return self._anchored_content(node_id, pid, have, round_config, rnd)
-        if have is None and self.init_seed is not None and pid not in self.state.seed_failed:
+        if have is None and self.options.downlink.init_seed is not None and pid not in self.state.seed_failed:
             if self.state.version == 0 or self._chain_since(0) is not None:  # x₀ from the seed, then the Δs
                 have = 0
                 rnd.seeded.add(node_id)
@@ -234,9 +243,10 @@ class Downlink:
 
     def _seed_config(self) -> dict[str, int | str]:
         """The config keys that tell a node to build x₀ from the seed (and check it)."""
-        assert self.init_seed is not None
+        seed = self.options.downlink.init_seed
+        assert seed is not None
         return {
-            "init-seed": self.init_seed,
+            "init-seed": seed,
             "init-checksum": self.state.x0_checksum,
             "layout": layout_fingerprint(self.model.layout),
         }
@@ -262,7 +272,7 @@ class Downlink:
             }
         )
         if any(b.scales is not None for b in chain):
-            ones = (1.0,) * len(self.model.scale_sizes)
+            ones = (1.0,) * len(self.model.scale_sizes(self.options.uplink.scale_block))
             round_config["scales"] = [v for b in chain for v in (b.scales if b.scales is not None else ones)]
         round_config["payload-crc"] = payload_crc(rnd, [b.payload for b in chain])
         array = Array(dtype="level", shape=(len(chain) * self.model.num_parameters,), stype=LEVELS_STYPE, data=payload)
@@ -284,7 +294,7 @@ class Downlink:
         assert history is not None
         size, kind, base, segments = self._anchored_choice(pid, have)
         round_config.update({"kind": "full" if kind == "full" else "counts", "base-version": base})
-        round_config["anchor-every"] = self.anchor_every
+        round_config["anchor-every"] = self.options.downlink.anchor_every
         records: dict[str, Array] = {}
         parts: list[bytes | torch.Tensor] = []  # the payload's parts, in the order the client reads them (payload-crc)
         if kind == "seed":
@@ -361,8 +371,9 @@ class Downlink:
         if have is not None:
             context = self.state.context_of.get(pid) == have
             options.append((0, lambda: option("counts", have, history.segments(have, context) or None)))
-        if self.init_seed is not None and pid not in self.state.seed_failed:  # x₀ from the seed, also for a
-            options.append((0, lambda: option("seed", 0, history.segments(0) if version else [])))  # known node
+        seeded = self.options.downlink.init_seed is not None and pid not in self.state.seed_failed
+        if seeded:  # x₀ from the seed, also for a known node
+            options.append((0, lambda: option("seed", 0, history.segments(0) if version else [])))
         start = history.epoch.start  # whose version is no longer served; the counts since the anchor: always kept
 
         def anchor_option() -> Option | None:
@@ -386,7 +397,8 @@ class Downlink:
     def remember(self, broadcast: Broadcast) -> None:
         """Keep encoded Δs for lagging clients, up to ``max_history_bytes``."""
         self.state.broadcasts.append(broadcast)
-        limit = 4 * self.model.num_parameters if self.max_history_bytes is None else self.max_history_bytes
+        most = self.options.downlink.max_history_bytes
+        limit = 4 * self.model.num_parameters if most is None else most
         while self.state.broadcasts and sum(len(b.payload) for b in self.state.broadcasts) > limit:
             self.state.broadcasts.popleft()
 

@@ -26,17 +26,19 @@ from typing import Any, Protocol
 
 import numpy as np
 from flwr.app import ConfigRecord, Message, MessageType, MetricRecord, RecordDict
-from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
 from ..params import LayoutError, ModelSpec
 from ..protocol import HELLO, HELLO_ACTION, OTHER_APP, RejectedReply, error_text
+from .replies import CheckedReplies, reply_node
 from .run_stops import RunStopped, nodes_text, short_reason, whole_reason
 
-__all__ = ["HELLO_TYPE", "HelloHooks", "Nodes", "described_model"]
+__all__ = ["CLIENT_LAYOUT_ERRORS", "HELLO_TYPE", "HelloHooks", "Nodes", "described_model", "wrong_layout"]
 
 HELLO_TYPE = f"{MessageType.QUERY}.{HELLO_ACTION}"
+CLIENT_LAYOUT_ERRORS = ("server model layout",)
+"""In a client's error reason when its model has another layout than the server's (``clients/replica.py``)."""
 
 _NO_CLIENT = (
     "its ClientApp has no DLionClient to answer the hello: add `dlion = DLionClient(app, Net)` "
@@ -154,26 +156,38 @@ class Nodes:
         return self.pid_of.get(node_id, -1)
 
     def reply_node(self, reply: Message, sent: Iterable[Message]) -> tuple[int, int]:
-        """The node a reply speaks for and its key (-1 if unknown).
+        """The node a reply speaks for and its key (-1 if unknown); the SuperLink's error for it: forgotten.
 
-        A node's own reply: its sender. When a node stops heartbeating, the SuperLink answers
-        the message sent to it with an error of its own (sender ``SUPERLINK_NODE_ID``); that
-        reply is the node's, found by the message it answers (``reply_to_message_id``; the
-        Grid gave the sent messages their ids). The node's id is then forgotten, so that it is
-        greeted again (hello) when it reconnects: a SuperNode restarted under node
-        authentication keeps its id, but not its state.
+        :func:`~.replies.reply_node`; a node the SuperLink answered for (it stopped heartbeating) is
+        forgotten (:meth:`forget_node`), so that it is greeted again (hello) when it reconnects.
         """
-        node_id = reply.metadata.src_node_id
-        answered = reply.metadata.reply_to_message_id
-        if node_id == SUPERLINK_NODE_ID and answered:
-            for msg in sent:
-                if msg.metadata.message_id == answered:
-                    node_id = msg.metadata.dst_node_id
-                    pid = self.pid_of.pop(node_id, -1)
-                    if self.node_of.get(pid) == node_id:
-                        del self.node_of[pid]
-                    return node_id, pid
-        return node_id, self.partition_of(node_id)
+        node_id, lost = reply_node(reply, sent)
+        return node_id, self.forget_node(node_id) if lost else self.partition_of(node_id)
+
+    def forget_node(self, node_id: int) -> int:
+        """Forget a node id (a later hello greets it anew); returns its key, -1 if unknown."""
+        pid = self.pid_of.pop(node_id, -1)
+        if self.node_of.get(pid) == node_id:
+            del self.node_of[pid]
+        return pid
+
+    def log_refused(self, server_round: int, checked: CheckedReplies, outbox: list[Message]) -> None:
+        """Log each refused reply (or leave its node out: wrong layout); log the sampled nodes without one.
+
+        A node the SuperLink answered for is forgotten (:meth:`forget_node`); the sampled nodes of
+        ``outbox`` (the round's train messages) without a reply get a line each.
+        """
+        for reply, err in checked.refused:
+            node_id, pid = reply.node_id, reply.partition
+            if reply.lost:
+                self.forget_node(node_id)
+            if not (wrong_layout(reply.msg, err) and self.leave_out(node_id, pid, str(err), server_round)):
+                line = "round %d: rejected reply from node %d (partition %d): %s"
+                log(WARNING, line, server_round, node_id, pid, err)
+        for msg in outbox:
+            if (node_id := msg.metadata.dst_node_id) not in checked.answered:
+                pid = self.partition_of(node_id)
+                log(WARNING, "round %d: no reply from node %d (partition %d)", server_round, node_id, pid)
 
     def sample(
         self, grid: Grid, server_round: int, fraction: float, minimum: int, seed: list[int], what: str
@@ -359,6 +373,17 @@ class Nodes:
             raise RejectedReply(f"node id {node_id} is already the partition id of node {owner}")
         self.hooks._check_hello(node_id, record)
         return key, version
+
+
+def wrong_layout(msg: Message, err: RejectedReply) -> bool:
+    """Whether a rejected reply shows that its node's model has another layout than the federation's.
+
+    The server's own check marks it (``RejectedReply(final=True)``: an array of another shape); a
+    client's error reply says so in its reason (:data:`CLIENT_LAYOUT_ERRORS`).
+    """
+    if err.final:
+        return True
+    return msg.has_error() and any(what in msg.error.reason for what in CLIENT_LAYOUT_ERRORS)
 
 
 def _are(n: int) -> str:

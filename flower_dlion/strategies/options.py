@@ -16,8 +16,9 @@ in seven frozen groups, each named as the strategy's code uses it:
 
 Each group raises a ``ValueError`` naming the argument, its value and what it needs when it is
 built with a value out of its range; :class:`Options` holds the seven and checks the combinations
-that involve two of them. The strategy reads each option by its argument name
-(``strategy.lr`` is ``strategy.options.step.lr``) through :class:`OptionAttribute`.
+that involve two of them. The library reads an option from its group (``self.options.step.lr``);
+the strategy offers each one to its users by its argument name, read-only (``strategy.lr`` is
+``strategy.options.step.lr``), through :class:`OptionAttribute`.
 """
 
 from __future__ import annotations
@@ -27,11 +28,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from ..lion import MAX_DECAY
+from ..lion import MAX_DECAY, check_hyperparameters
 from ..secure.masking import MIN_PARTICIPANTS
 from ..stochastic import NOISE_KINDS, NOISE_LIMIT
 from ..uploads import upload_kind
-from .common import check_common_args
 from .divergence import DivergenceOptions
 
 __all__ = [
@@ -65,7 +65,9 @@ class StepOptions:
     beta2: float = 0.99
 
     def __post_init__(self) -> None:
-        check_common_args(lr=self.lr, weight_decay=self.weight_decay, betas={"beta1": self.beta1, "beta2": self.beta2})
+        check_hyperparameters(
+            lr=self.lr, weight_decay=self.weight_decay, betas={"beta1": self.beta1, "beta2": self.beta2}
+        )
         if self.lr_schedule is not None and not callable(self.lr_schedule):
             raise ValueError(f"lr_schedule must be a function of the server round or None, got {self.lr_schedule!r}")
 
@@ -429,11 +431,6 @@ class OptionAttribute:
     def __init__(self, group: str) -> None:
         self.group = group
         self.name = ""
-
-    @classmethod
-    def group(cls, group: str, count: int) -> tuple[OptionAttribute, ...]:
-        """``count`` attributes of the options group ``group``, to unpack into the option names in a class body."""
-        return tuple(cls(group) for _ in range(count))
 
     def __set_name__(self, owner: type, name: str) -> None:
         if self.name and self.name != name:

@@ -2,45 +2,40 @@
 
 1. :func:`sort_replies`: whose each reply is (its node and partition; a SuperLink error reply is
    the node's it answers for) and whether it is the node's second reply of the round;
-2. the strategy's check of each (``Uplink.check_replies`` for Distributed Lion, :func:`check_each`
-   with a check function for others): a :class:`CheckedReplies` of what it made of the valid
-   ones and the refused ones with why;
-3. :func:`log_refused`: one WARNING line per refused reply and per sampled node without one, each
-   refusal noted for the run's stop rule. A reply that shows that its node cannot take part
-   (:func:`wrong_layout`: the arrays of another model, or the client's own error saying so) leaves
-   its node out of sampling until it says hello again (:meth:`~.nodes.Nodes.leave_out`, one WARNING
-   line) instead of a rejected reply every round.
+2. the strategy's check of each (:class:`~.reply_check.ReplyCheck` for Distributed Lion,
+   :func:`check_each` with a check function for others): a :class:`CheckedReplies` of what it made
+   of the valid ones and the refused ones with why;
+3. :meth:`~.nodes.Nodes.log_refused`: one WARNING line per refused reply and per sampled node
+   without one. A reply that shows that its node cannot take part (:func:`~.nodes.wrong_layout`: the arrays
+   of another model, or the client's own error saying so) leaves its node out of sampling until it
+   says hello again (:meth:`~.nodes.Nodes.leave_out`, one WARNING line) instead of a rejected reply
+   every round; a node the SuperLink answered for is forgotten. Each refusal is then noted for the
+   run's stop rule (:meth:`~.run_stops.FailedRounds.count_round`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
-from logging import WARNING
 from typing import Generic, TypeVar
 
-from flwr.app import Message
-from flwr.supercore import log
+from flwr.app import Message, MetricRecord
+from flwr.common.constant import SUPERLINK_NODE_ID
 
-from ..protocol import RejectedReply
-from .nodes import Nodes
-from .run_stops import FailedRounds, whole_reason
+from ..protocol import METRICS, RejectedReply
 
 __all__ = [
-    "CLIENT_LAYOUT_ERRORS",
     "SECOND_REPLY",
     "CheckedReplies",
     "Reply",
     "check_each",
-    "log_refused",
+    "reply_node",
+    "reported_losses",
     "sort_replies",
-    "wrong_layout",
 ]
 
 R = TypeVar("R")
 
-CLIENT_LAYOUT_ERRORS = ("server model layout",)
-"""In a client's error reason when its model has another layout than the server's (``clients/replica.py``)."""
 SECOND_REPLY = "a second reply from this node in this round"
 
 
@@ -52,6 +47,7 @@ class Reply:
     node_id: int  # the node it speaks for (a SuperLink error reply: the node of the message it answers)
     partition: int  # that node's key (-1: unknown)
     again: bool  # the node's second reply of the round (refused)
+    lost: bool = False  # the SuperLink's error for a node that stopped heartbeating: its id is forgotten
 
 
 @dataclass
@@ -68,14 +64,60 @@ class CheckedReplies(Generic[R]):
         return len(self.refused)
 
 
-def sort_replies(replies: Iterable[Message], outbox: list[Message], nodes: Nodes) -> list[Reply]:
-    """Each reply with its node, partition and whether the node replied before in this round (``outbox``: sent)."""
-    seen: set[int] = set()
+def sort_replies(replies: Iterable[Message], outbox: list[Message], partitions: Mapping[int, int]) -> list[Reply]:
+    """Each reply with its node, partition and whether the node replied before in this round.
+
+    ``outbox``: the round's train messages; ``partitions``: node id → partition (``Nodes.pid_of``),
+    -1 for a node it does not hold.
+    """
+    first: dict[int, int] = {}  # node id → the index of its first reply
     out = []
-    for msg in replies:
-        node_id, pid = nodes.reply_node(msg, outbox)
-        out.append(Reply(msg, node_id, pid, node_id in seen))
-        seen.add(node_id)
+    for i, msg in enumerate(replies):
+        node_id, lost = reply_node(msg, outbox)
+        again = first.setdefault(node_id, i) != i
+        out.append(Reply(msg, node_id, partitions.get(node_id, -1), again, lost))
+    return out
+
+
+def reply_node(reply: Message, sent: Iterable[Message]) -> tuple[int, bool]:
+    """The node a reply speaks for, and whether the SuperLink answered for it (its id is then forgotten).
+
+    A node's own reply: its sender. When a node stops heartbeating, the SuperLink answers the
+    message sent to it with an error of its own (sender ``SUPERLINK_NODE_ID``); that reply is the
+    node's, found by the message it answers (``reply_to_message_id``; the Grid gave the sent
+    messages their ids). :meth:`~.nodes.Nodes.log_refused` then forgets the node's id, so that it
+    is greeted again (hello) when it reconnects: a SuperNode restarted under node authentication
+    keeps its id, but not its state.
+    """
+    node_id = reply.metadata.src_node_id
+    answered = reply.metadata.reply_to_message_id
+    if node_id == SUPERLINK_NODE_ID and answered:
+        for msg in sent:
+            if msg.metadata.message_id == answered:
+                return msg.metadata.dst_node_id, True
+    return node_id, False
+
+
+def reported_losses(arrived: list[Reply], sent: Collection[int]) -> dict[tuple[int, int], float]:
+    """Each sent node's own ``train-loss`` as its first reply states it, valid or rejected (a NaN is rejected).
+
+    Keyed by (node id, partition), as :mod:`.divergence` names nodes; error replies, and replies
+    without a number there, are left out.
+    """
+    out: dict[tuple[int, int], float] = {}
+    first: dict[int, int] = {}  # sender → the index of its first reply that counts
+    for i, reply in enumerate(arrived):
+        msg = reply.msg
+        node_id = msg.metadata.src_node_id
+        if msg.has_error() or node_id not in sent or first.setdefault(node_id, i) != i:
+            continue
+        try:
+            record = msg.content[METRICS]
+            value = record["train-loss"] if isinstance(record, MetricRecord) else None
+        except (KeyError, TypeError, ValueError):
+            continue
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[(node_id, reply.partition)] = float(value)
     return out
 
 
@@ -91,32 +133,3 @@ def check_each(replies: list[Reply], check: Callable[[Message], R]) -> CheckedRe
         except RejectedReply as err:
             out.refused.append((reply, err))
     return out
-
-
-def wrong_layout(msg: Message, err: RejectedReply) -> bool:
-    """Whether a rejected reply shows that its node's model has another layout than the federation's.
-
-    The server's own check marks it (``RejectedReply(final=True)``: an array of another shape); a
-    client's error reply says so in its reason (:data:`CLIENT_LAYOUT_ERRORS`).
-    """
-    if err.final:
-        return True
-    return msg.has_error() and any(what in msg.error.reason for what in CLIENT_LAYOUT_ERRORS)
-
-
-def log_refused(
-    server_round: int, checked: CheckedReplies, *, nodes: Nodes, failures: FailedRounds, outbox: list[Message]
-) -> None:
-    """Log each refused reply (or leave its node out: wrong layout) and note it in ``failures``; log the silent nodes.
-
-    The sampled nodes of ``outbox`` (the round's train messages) without a reply get a line each.
-    """
-    for reply, err in checked.refused:
-        node_id, pid = reply.node_id, reply.partition
-        if not (wrong_layout(reply.msg, err) and nodes.leave_out(node_id, pid, str(err), server_round)):
-            log(WARNING, "round %d: rejected reply from node %d (partition %d): %s", server_round, node_id, pid, err)
-        failures.reject(node_id, whole_reason(reply.msg, err))
-    for msg in outbox:
-        if (node_id := msg.metadata.dst_node_id) not in checked.answered:
-            pid = nodes.partition_of(node_id)
-            log(WARNING, "round %d: no reply from node %d (partition %d)", server_round, node_id, pid)

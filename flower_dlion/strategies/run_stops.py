@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
+from collections.abc import Collection
 
 from flwr.app import Message
 from flwr.common.constant import SUPERLINK_NODE_ID
 
 from ..protocol import error_text
+from .replies import CheckedReplies
 
 __all__ = ["FailedRounds", "RunStopped", "nodes_text", "reply_error", "short_reason", "whole_reason"]
 
@@ -134,6 +136,24 @@ class FailedRounds:
         self._reasons[reason] = (times + 1, nodes)
         while len(self._reasons) > self.KEPT_REASONS:
             self._reasons.popitem(last=False)
+
+    def count_round(self, server_round: int, checked: CheckedReplies, valid: int, sent: Collection[int]) -> None:
+        """Note each refused reply of the round and why (:meth:`reject`), then count it (:meth:`outcome`).
+
+        ``valid``: the replies that counted; ``sent``: the nodes sent a train message. The round's own
+        account names both counts, the rejected replies and the nodes without one.
+
+        Raises
+        ------
+        RunStopped
+            When this is the ``max_failed_rounds``-th failed round in a row.
+
+        """
+        for reply, err in checked.refused:
+            self.reject(reply.node_id, whole_reason(reply.msg, err))
+        missing = len(set(sent) - checked.answered)
+        why = f"{valid} valid of {len(sent)} sent ({checked.rejected} rejected, {missing} without a reply)"
+        self.outcome(server_round, valid, why)
 
     def outcome(self, server_round: int, valid: int, why: str) -> None:
         """Count ``server_round`` as failed (fewer than ``min_replies`` valid replies) or reset the count.

@@ -164,16 +164,16 @@ class SecureRounds:
 
     # ------------------------------------------------------------------ 3. unmask
     def counts(
-        self, grid: Grid, rnd: Round, replies: list[Message], valid: list[ValidReply],
+        self, grid: Grid, rnd: Round, errors: list[int], valid: list[ValidReply],
         partition_of: Callable[[int], int], d: int,
     ) -> tuple[list[ValidReply], Unmasked | None]:  # fmt: skip
         """The round's valid replies and their unmasked counts, or ([], None) when they cannot be unmasked.
 
-        A node that answered with an error (e.g. it lost its key, or refused to mask) is re-keyed
-        before it masks again.
+        A node that answered with an error (``errors``: their senders; e.g. it lost its key, or
+        refused to mask) is re-keyed before it masks again.
         """
-        for reply in replies:
-            if reply.has_error() and (key := partition_of(reply.metadata.src_node_id)) >= 0:
+        for node_id in errors:
+            if (key := partition_of(node_id)) >= 0:
                 self.keyed.pop(key, None)
         if not valid:
             return valid, None
@@ -258,11 +258,9 @@ class SecureRounds:
             )
         return out
 
-    def round_bytes(self, metrics: dict[str, int | float]) -> dict[str, int | float]:
-        """The round's byte counts with its queries added, the queries' own, and their round trips."""
+    def round_bytes(self) -> dict[str, int]:
+        """The round's queries: their bytes each way and their round trips (the round's metrics add them in)."""
         return {
-            "bytes-up": int(metrics["bytes-up"]) + self.bytes_up,
-            "bytes-down": int(metrics["bytes-down"]) + self.bytes_down,
             "secure-bytes-up": self.bytes_up,
             "secure-bytes-down": self.bytes_down,
             "secure-round-trips": self.round_trips,

@@ -76,7 +76,7 @@ Aggregator = Callable[[Sequence[Parsed], Shape, FeedbackState], RoundDelta]
 
 
 def choose_aggregator(
-    kind: Upload, how: Aggregation, broadcast_bits: int = 0, server_momentum: float = 0.0, *, accelerated: bool = True
+    kind: Upload, how: Aggregation, broadcast_bits: int = 0, server_momentum: float = 0.0
 ) -> Aggregator:
     """The function that turns a round's uploads into Δ, chosen once for a strategy's options.
 
@@ -90,9 +90,6 @@ def choose_aggregator(
         0: Δ exact (:func:`flower_dlion.lion.aggregate`); b ≥ 1: quantized with error feedback.
     server_momentum
         μ of the server's Nesterov momentum on Δ (quantized broadcasts only).
-    accelerated
-        Whether packed sign payloads take the twin :func:`flower_dlion.codec.aggregate_packed`
-        (``False``: the definition on the summed signs, for tests; the same result).
 
     Returns
     -------
@@ -103,8 +100,8 @@ def choose_aggregator(
     """
     if broadcast_bits:
         return partial(quantized_delta, kind=kind, how=how, broadcast_bits=broadcast_bits, momentum=server_momentum)
-    if accelerated and isinstance(kind, SignUpload):  # the 1-bit upload: count the packed bits, never unpack
-        return partial(packed_delta, how=how)
+    if isinstance(kind, SignUpload):  # the 1-bit upload: count the packed bits, never unpack
+        return partial(packed_delta, how=how)  # the same Δ as reference_delta (tests/test_aggregation_home.py)
     return partial(reference_delta, kind=kind, how=how)
 
 

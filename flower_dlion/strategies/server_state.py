@@ -2,8 +2,9 @@
 
 :class:`ServerState` is what the server keeps besides x (and all a checkpoint needs of it); a
 :class:`Broadcast` is one applied Δ kept encoded for clients that fall behind; :class:`Round` is
-what the strategy sent in the round in progress, and :class:`ValidReply` one reply that passed
-its checks.
+what the strategy sent in the round in progress, :class:`RoundCounts` what it counted, and
+:class:`ValidReply` one reply that passed its checks. A refused reply may show that its node's
+replica is lost or differs from the server's (:meth:`ServerState.on_rejected`: the full model next time).
 """
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ import numpy as np
 import torch
 
 from ..anchored_counts import AnchoredHistory
+from ..protocol import CLIENT_STATE_ERROR, SEED_MISMATCH, RejectedReply, WriteFailure
 from ..uploads import Parsed
 
-__all__ = ["Broadcast", "Round", "ServerState", "ValidReply"]
+__all__ = ["Broadcast", "Round", "RoundCounts", "ServerState", "ValidReply"]
+
+STATE_LOST = ("has no replica", ": replica at version")  # a client's errors (clients/replica.py) for a state it lacks
 
 
 @dataclass
@@ -31,6 +35,32 @@ class Broadcast:
     weight_decay: float
     payload: bytes
     scales: tuple[float, ...] | None = None  # one per tensor; None: scale 1
+
+
+@dataclass
+class RoundCounts:
+    """What the round in progress counted, for its metrics (a fresh one each round).
+
+    Attributes
+    ----------
+    resyncs : int
+        Replies that showed a replica checksum or version mismatch (``checksum-mismatches``).
+    state_resets : int
+        Nodes found without their state since the last round (``state-resets``): by their hello
+        (the downlink finds them), or by their reply (no replica, or an older one: a virtual client
+        served where its state files are not).
+    clipped : int
+        ef-sign scales cut to the median (``clipped-scales``).
+    write_failures : dict[int, tuple[int, WriteFailure]]
+        Nodes whose reply (valid or not) reports that they could not write their state, with
+        their partition and the failure (``state-write-failures``; :mod:`.state_writes`).
+
+    """
+
+    resyncs: int = 0
+    state_resets: int = 0
+    clipped: int = 0
+    write_failures: dict[int, tuple[int, WriteFailure]] = field(default_factory=dict)
 
 
 @dataclass
@@ -82,6 +112,26 @@ class ServerState:
             context_of={int(p): int(v) for p, v in state["context_of"].items()},
         )
 
+    def on_rejected(self, pid: int, err: RejectedReply, reason: str, counts: RoundCounts, *, seeded: bool) -> bool:
+        """A refused reply of partition ``pid``'s node, sampled this round: what it says about the node's replica.
+
+        The replica is forgotten (the full model next time) when the check found its version or
+        checksum unlike the server's (``err.resync``, counted in ``counts.resyncs``) or the client
+        says that its replica cannot serve (:data:`~flower_dlion.protocol.CLIENT_STATE_ERROR` in
+        ``reason``, its error; "" for a reply that is no error); a node without its state is
+        counted in ``counts.state_resets``. Returns True when the node, told to build x₀ from the
+        seed (``seeded``), built another: the full model from now on.
+        """
+        if not (err.resync or CLIENT_STATE_ERROR in reason):
+            return False
+        self.version_of.pop(pid, None)
+        counts.resyncs += int(err.resync)
+        counts.state_resets += any(lost in reason for lost in STATE_LOST)  # e.g. on a machine without its files
+        if seeded and SEED_MISMATCH in reason:
+            self.seed_failed.add(pid)
+            return True
+        return False
+
 
 @dataclass
 class Round:
@@ -100,6 +150,27 @@ class Round:
     lr: float = 0.0  # the round's learning rate, lr · lr_schedule(server_round)
     participants: list[int] = field(default_factory=list)  # secure aggregation: the keys masking together
     crcs: dict[int, tuple[bytes, int]] = field(default_factory=dict)  # id(payload) → (payload, its CRC-32)
+
+    def check_base(self, values: dict[str, float]) -> None:
+        """Check that a reply's replica is the round's base: its metrics ``version`` and ``checksum``.
+
+        Raises
+        ------
+        RejectedReply
+            With ``resync=True`` (the node gets the full model next round), naming what differs.
+
+        """
+        if values["version"] != self.base_version:
+            raise RejectedReply(
+                f"replica at version {values['version']}, expected {self.base_version}: full resync next round",
+                resync=True,
+            )
+        if values["checksum"] != self.base_checksum:
+            raise RejectedReply(
+                f"replica checksum {values['checksum']} differs from the server's {self.base_checksum}: "
+                "full resync next round",
+                resync=True,
+            )
 
 
 @dataclass(frozen=True)

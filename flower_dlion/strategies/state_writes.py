@@ -2,9 +2,9 @@
 
 A client that could not write its state (a full or read-only state folder) says so in its next
 reply (:class:`~flower_dlion.protocol.WriteFailure`: a :data:`~flower_dlion.protocol.NOTICE`
-record, or the text of its error reply). The uplink (:class:`~.aggregation.Uplink`) reads it
-with :func:`note` (a WARNING naming the round, the node, its partition, the path and the errno),
-counts the round's reports (``state-write-failures``) and asks :meth:`StateWrites.close`
+record, or the text of its error reply). The check of the replies (:class:`~.reply_check.ReplyCheck`)
+reads it with :func:`note` (a WARNING naming the round, the node, its partition, the path and the
+errno), counts the round's reports (``state-write-failures``) and asks :meth:`StateWrites.close`
 whether the run can go on.
 
 The rule: a round in which **every node that answered** (one at least; error replies count as
@@ -23,10 +23,9 @@ import dataclasses
 from collections.abc import Collection
 from logging import WARNING
 
-from flwr.app import Message
 from flwr.supercore import log
 
-from ..protocol import NOTICE, RejectedReply, WriteFailure
+from ..protocol import RejectedReply, WriteFailure
 from .run_stops import RunStopped, nodes_text
 
 __all__ = ["SHOWN", "Reported", "StateWrites", "note"]
@@ -35,34 +34,33 @@ SHOWN = 5  # failures a stop names in full (the others by count)
 Reported = dict[int, tuple[int, WriteFailure]]  # node id → (its partition, what it reported), one round's
 
 
-def note(reported: Reported, server_round: int, msg: Message, node_id: int, pid: int | None = None) -> None:
-    """Keep (and log) the failed state write that ``msg``, a reply of ``node_id``, reports, if it reports one.
+def note(
+    reported: Reported,
+    server_round: int,
+    notice: WriteFailure | RejectedReply | None,
+    node_id: int,
+    pid: int | None = None,
+) -> None:
+    """Keep (and log) the failed state write that a reply of ``node_id`` reports, if it reports one.
 
-    ``pid``: the node's partition as the server knows it; None: as the reply says (its node's
-    partition id, else its node id). A node's first report of the round is kept; a malformed
-    :data:`NOTICE` record is logged and ignored (the reply itself is judged on its own).
+    ``notice``: what the reply says (:func:`~flower_dlion.protocol.read_notice`): the failure,
+    a malformed :data:`~flower_dlion.protocol.NOTICE` record's fault (logged and ignored: the
+    reply itself is judged on its own), or None. ``pid``: the node's partition as the server
+    knows it; None: as the reply says (its node's partition id, else its node id). A node's
+    first report of the round is kept.
     """
-    if node_id in reported:
+    if node_id in reported or notice is None:
         return
-    if msg.has_error():
-        failure = WriteFailure.find(msg.error.reason)
-    elif NOTICE in msg.content:
-        try:
-            failure = WriteFailure.from_record(node_id, msg.content[NOTICE])
-        except RejectedReply as err:
-            log(
-                WARNING,
-                "round %d: node %d reports a state write it could not do, malformed: %s",
-                server_round,
-                node_id,
-                err,
-            )
-            return
-    else:
+    if isinstance(notice, RejectedReply):
+        log(
+            WARNING,
+            "round %d: node %d reports a state write it could not do, malformed: %s",
+            server_round,
+            node_id,
+            notice,
+        )
         return
-    if failure is None:
-        return
-    failure = dataclasses.replace(failure, node_id=node_id)
+    failure = dataclasses.replace(notice, node_id=node_id)
     if pid is None:
         pid = failure.partition if failure.partition >= 0 else node_id
     reported[node_id] = (pid, failure)

@@ -1,8 +1,8 @@
-"""The Byzantine clients of the fault studies (run config ``byzantine-mode``), as :class:`Tamper` objects.
+"""The Byzantine clients of the fault studies (run config ``byzantine-mode``), as :class:`UploadHook` objects.
 
-Each attacks through the public client API's ``tamper`` hook, as any node running the library
-could. With U = Σₖ δₖ the node's honest upload (δ with one local step) and S =
-``byzantine-scale``:
+Each attacks through the public client API's ``tamper`` hook (the library's extension point
+:class:`~flower_dlion.clients.hooks.UploadHook`), as any node running the library could. With
+U = Σₖ δₖ the node's honest upload (δ with one local step) and S = ``byzantine-scale``:
 
 =========== ===========================================================================
 mode        what the node sends
@@ -23,14 +23,14 @@ import numpy as np
 import torch
 from flwr.app import Array
 
-from flower_dlion.clients.dlion import Tamper
+from flower_dlion.clients.dlion import UploadHook
 from flower_dlion.protocol import to_array
 from flower_dlion_app.config import BYZANTINE_MODES
 
 __all__ = ["Flip", "LittleIsEnough", "MomentumPoison", "RandomSigns", "ScaleLie", "attacker"]
 
 
-class Flip(Tamper):
+class Flip(UploadHook):
     """Upload −U."""
 
     def upload(self, u: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -38,7 +38,7 @@ class Flip(Tamper):
         return -u
 
 
-class RandomSigns(Tamper):
+class RandomSigns(UploadHook):
     """Upload K·(random signs)."""
 
     def __init__(self, steps: int) -> None:
@@ -76,7 +76,7 @@ class MomentumPoison(Flip):
         return arrays
 
 
-class LittleIsEnough(Tamper):
+class LittleIsEnough(UploadHook):
     """Flip U's signs where |U| is smallest (half of the coordinates), keep the rest honest."""
 
     def upload(self, u: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -88,8 +88,8 @@ class LittleIsEnough(Tamper):
         return out
 
 
-def attacker(mode: str, *, steps: int, factor: float) -> Tamper:
-    """The Tamper of a ``byzantine-mode``."""
+def attacker(mode: str, *, steps: int, factor: float) -> UploadHook:
+    """The upload hook of a ``byzantine-mode``."""
     if mode == "flip":
         return Flip()
     if mode == "random":

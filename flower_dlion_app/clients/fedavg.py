@@ -25,8 +25,8 @@ from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordD
 from torch import nn
 
 from flower_dlion.clients.state import ClientStateError
-from flower_dlion.protocol import CONTROL
 from flower_dlion_app.clients.common import byzantine, partition, partition_id, setup
+from flower_dlion_app.protocol import CONTROL
 
 __all__ = ["train"]
 

@@ -15,9 +15,10 @@ from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordD
 from flower_dlion import codec, quantizers
 from flower_dlion.clients.dlion import ClientStateError
 from flower_dlion.params import ModelSpec, layout_fingerprint
-from flower_dlion.protocol import GRAD_CONFIG, GRAD_METRICS, GRAD_MODEL, GRAD_UPDATE, TERNGRAD_STYPE, to_array
+from flower_dlion.protocol import to_array
 from flower_dlion_app.clients.common import batch, seeded_generator, setup
 from flower_dlion_app.model import flat_gradient
+from flower_dlion_app.protocol import GRAD_CONFIG, GRAD_METRICS, GRAD_MODEL, GRAD_UPDATE, TERNGRAD_STYPE
 
 __all__ = ["encode_terngrad", "train"]
 

@@ -19,19 +19,11 @@ from flwr.serverapp import Grid
 from flwr.supercore import log
 
 from flower_dlion import codec, lion, quantizers
+from flower_dlion.lion import check_hyperparameters
 from flower_dlion.params import layout_fingerprint
-from flower_dlion.protocol import (
-    GRAD_CONFIG,
-    GRAD_METRICS,
-    GRAD_MODEL,
-    GRAD_UPDATE,
-    TERNGRAD_STYPE,
-    RejectedReply,
-    check_envelope,
-    float_array,
-    read_metrics,
-)
-from flower_dlion.strategies.common import ServerModelStrategy, check_common_args
+from flower_dlion.protocol import RejectedReply, check_envelope, float_array, read_metrics
+from flower_dlion.strategies.common import ServerModelStrategy
+from flower_dlion_app.protocol import GRAD_CONFIG, GRAD_METRICS, GRAD_MODEL, GRAD_UPDATE, TERNGRAD_STYPE
 
 __all__ = ["GlobalOptimizer"]
 
@@ -131,7 +123,7 @@ class GlobalOptimizer(ServerModelStrategy):
             max_failed_rounds=max_failed_rounds,
             wait_for_nodes=wait_for_nodes,
         )
-        check_common_args(
+        check_hyperparameters(
             lr=lr,
             weight_decay=weight_decay,
             betas={"beta1": beta1, "beta2": beta2, "momentum": momentum},

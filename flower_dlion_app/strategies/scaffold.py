@@ -27,7 +27,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 from flwr.supercore import log
 
-from flower_dlion.protocol import CONTROL
+from flower_dlion_app.protocol import CONTROL
 
 __all__ = ["Scaffold"]
 
