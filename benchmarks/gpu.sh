@@ -12,8 +12,8 @@ PY=${PYTHON:-python3}
 step() { timeout "${STEP_TIMEOUT:-0}" "$@"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/gpu.txt"
-step $PY -m pytest -q -p no:cacheprovider tests/test_codec.py tests/test_lion.py tests/test_federation.py \
-  tests/test_client_state.py tests/test_client_api.py tests/test_client_trust.py 2>&1 \
+step $PY -m pytest -q -p no:cacheprovider tests/library/test_codec.py tests/library/test_lion.py tests/app/test_federation.py \
+  tests/library/test_client_state.py tests/library/test_client_api.py tests/library/test_client_trust.py 2>&1 \
   | tee "$out/tests.txt" || { echo "gpu.sh: the CUDA tests failed; no benchmarks of failing code" >&2; exit 1; }
 step $PY benchmarks/codec_speed.py --device cuda --apply --repeat 20 2>&1 | tee "$out/codec_speed_cuda.txt"
 step $PY benchmarks/gpu_launch.py 2>&1 | tee "$out/gpu_launch.txt"

@@ -188,7 +188,7 @@ def aggregate(votes: torch.Tensor, n: int, how: Aggregation, k: int = 1) -> Leve
     Every other computation of these levels is this function's twin, equal to it bit for bit:
     :func:`flower_dlion.codec.aggregate_packed` counts them straight from n packed sign payloads
     (``k = 1``, S = 2·c − n for c the votes for +1), and :func:`flower_dlion.strategies.server_delta.choose_aggregator`
-    picks it for the 1-bit sign upload (tests/test_aggregation_home.py holds the two equal).
+    picks it for the 1-bit sign upload (tests/library/test_aggregation_home.py holds the two equal).
 
     Parameters
     ----------

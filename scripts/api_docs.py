@@ -5,7 +5,7 @@
 Writes one HTML page per public module (:data:`MODULES`) under ``--out`` with pdoc (numpy
 docstrings), then checks every link between the pages: each relative ``href`` names a page
 that was written and, with ``#id``, an element of that page with that id. Exits 1, listing
-them, when a link leads nowhere; ``tests/test_api_docs.py`` runs it in CI.
+them, when a link leads nowhere; ``tests/library/test_api_docs.py`` runs it in CI.
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ With the variable set (to anything but ``""`` or ``0``), ``tests/conftest.py`` c
 module in it) then fails with ``ModuleNotFoundError``, as in an environment with the library
 alone, so a library test that still needs the app fails to collect or to run::
 
-    FLOWER_DLION_NO_APP=1 .venv/bin/pytest tests/test_codec.py tests/test_lion.py
+    FLOWER_DLION_NO_APP=1 .venv/bin/pytest tests/library/test_codec.py tests/library/test_lion.py
 
-``scripts/test.sh`` collects every library test file this way (``--collect-only``).
+``scripts/test.sh`` runs ``tests/library`` this way, and ``tests/app`` without it.
 """
 
 from __future__ import annotations
@@ -17,57 +17,12 @@ import importlib.machinery
 import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from types import ModuleType
 
-__all__ = ["APP", "APP_TESTS", "TESTS", "VARIABLE", "AppBlocker", "block_app", "blocked", "library_tests"]
+__all__ = ["APP", "VARIABLE", "AppBlocker", "block_app", "blocked"]
 
 APP = "flower_dlion_app"
 VARIABLE = "FLOWER_DLION_NO_APP"
-APP_TESTS = frozenset(  # until the tests are split into tests/library/ and tests/app/: the app's test files
-    {
-        "test_app_client_api.py",
-        "test_app_client_state.py",
-        "test_app_divergence.py",
-        "test_app_downlink.py",
-        "test_app_examples.py",
-        "test_app_frozen_base.py",
-        "test_app_fuzz.py",
-        "test_app_layers.py",
-        "test_app_lr_schedule.py",
-        "test_app_node_gates.py",
-        "test_app_packaging.py",
-        "test_app_public_surface.py",
-        "test_app_run_stops.py",
-        "test_app_scale_blocks.py",
-        "test_app_secure.py",
-        "test_app_server_round_cost.py",
-        "test_app_state_disk.py",
-        "test_app_stochastic_signs.py",
-        "test_baselines.py",
-        "test_beyond.py",
-        "test_bounds.py",
-        "test_data_config.py",
-        "test_deployment.py",
-        "test_example_shakespeare_lm.py",
-        "test_faults.py",
-        "test_federation.py",
-        "test_integrity.py",
-        "test_noniid.py",
-        "test_ray_cluster.py",
-        "test_scaffold.py",
-        "test_second_model.py",
-        "test_secure_attacks.py",
-        "test_shakespeare.py",
-        "test_shakespeare_app.py",
-        "test_simulation.py",
-        "test_study.py",
-        "test_study_outputs.py",
-        "test_text_models.py",
-    }
-)
-
-TESTS = Path(__file__).resolve().parent  # tests/
 
 
 def blocked() -> bool:
@@ -125,25 +80,3 @@ def block_app() -> None:
         raise RuntimeError(f"{VARIABLE}: the app was imported before the block: {loaded}")
     if not any(isinstance(finder, AppBlocker) for finder in sys.meta_path):
         sys.meta_path.insert(0, AppBlocker())
-
-
-def library_tests(folder: Path = TESTS) -> list[str]:
-    """The library's test files in ``folder``: every ``test_*.py`` but :data:`APP_TESTS`, sorted.
-
-    Parameters
-    ----------
-    folder : Path (default: :data:`TESTS`)
-        Where the test files are.
-
-    Returns
-    -------
-    list of str
-        Their paths, relative to the current folder where they are under it (``tests/test_codec.py``).
-
-    """
-    found = sorted(p for p in folder.glob("test_*.py") if p.name not in APP_TESTS)
-    return [str(p.relative_to(Path.cwd())) if p.is_relative_to(Path.cwd()) else str(p) for p in found]
-
-
-if __name__ == "__main__":  # scripts/test.sh: the files to collect with the app blocked
-    print("\n".join(library_tests()))

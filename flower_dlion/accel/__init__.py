@@ -5,7 +5,7 @@ What Distributed Lion computes is written once, in torch and numpy: the Lion mat
 faster ways of computing exactly the same bytes and floats (the tests compare them bit for
 bit), and nothing else. It is the lower layer: its modules import torch, numpy, numba or
 Triton, each other and the formats' shared definitions (:mod:`flower_dlion.formats`), never
-the codec, the downlink or the Lion math that call them (``tests/test_layers.py``):
+the codec, the downlink or the Lion math that call them (``tests/library/test_layers.py``):
 
 ============================  ===============================================================
 module                        what

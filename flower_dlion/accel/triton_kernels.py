@@ -27,7 +27,7 @@ Triton's default for fusion (on up to 3.9, off from 3.10 on).
 Imports only torch and Triton (shipped with torch's CUDA builds on Linux); with
 ``TRITON_INTERPRET=1`` set before import, the same kernels run on CPU tensors, which is
 how the tests check them without a GPU; ``scripts/compile_kernels.py`` compiles them for
-NVIDIA targets without one (``tests/test_gpu_compile.py``).
+NVIDIA targets without one (``tests/library/test_gpu_compile.py``).
 """
 
 from __future__ import annotations

@@ -175,7 +175,7 @@ def aggregate_packed(payloads: Sequence[torch.Tensor | bytes | np.ndarray], d: i
     Σ|S| — but no d-sized integer array is formed on the way: the count planes
     (:func:`count_planes`) and the masks of :func:`majority_masks` are packed, the levels are
     bytes. :func:`flower_dlion.strategies.server_delta.choose_aggregator` picks it, once per strategy, for
-    the sign upload with an exact broadcast (the default); tests/test_aggregation_home.py holds
+    the sign upload with an exact broadcast (the default); tests/library/test_aggregation_home.py holds
     it equal to the definition.
 
     - vote, n odd: Δ = sign(S), 2 levels; the mask "S > 0" *is* their ``sign1`` encoding.

@@ -101,7 +101,7 @@ def choose_aggregator(
     if broadcast_bits:
         return partial(quantized_delta, kind=kind, how=how, broadcast_bits=broadcast_bits, momentum=server_momentum)
     if isinstance(kind, SignUpload):  # the 1-bit upload: count the packed bits, never unpack
-        return partial(packed_delta, how=how)  # the same Δ as reference_delta (tests/test_aggregation_home.py)
+        return partial(packed_delta, how=how)  # the same Δ as reference_delta (tests/library/test_aggregation_home.py)
     return partial(reference_delta, kind=kind, how=how)
 
 

@@ -2,7 +2,7 @@
 
 `run_cell` runs the real ServerApp logic (``run_federation``) and ClientApp on an in-process
 Flower grid (``LocalGrid``: every message and context serialized, no Ray), which gives the same
-results as ``flwr run`` (``tests/test_simulation.py``). It writes ``<out>/cells/<name>.json``
+results as ``flwr run`` (``tests/app/test_simulation.py``). It writes ``<out>/cells/<name>.json``
 atomically, with the cell's metrics at every round in ``<out>/cells/<name>.csv`` beside it
 (`flower_dlion_app.study.outputs`). torch runs with the cell's ``threads`` CPU threads meanwhile,
 so a cell's result does not depend on how many cells run at once; the thread count and the final
