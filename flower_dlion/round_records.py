@@ -29,6 +29,7 @@ from typing import Any
 
 from flwr.app import ConfigRecord, MetricRecord, RecordDict
 
+from .drift import DRIFT_KINDS
 from .protocol import (
     CONFIG,
     EXPLAINED_FLIPS,
@@ -79,6 +80,8 @@ class RoundConfig:
         In [0, :data:`PROXIMAL_LIMIT`].
     stale_momentum : str
         "keep", "decay" or "reset".
+    drift_correction : str
+        "off" or "scaffold" (:mod:`flower_dlion.drift`; needs "sgd" and the ef-sign upload).
     upload : str
         One of :data:`flower_dlion.uploads.UPLOADS`.
     scale_block : int
@@ -117,6 +120,7 @@ class RoundConfig:
     local_weight_decay: float = 0.0
     local_proximal_mu: float = 0.0
     stale_momentum: str = "keep"
+    drift_correction: str = "off"
     upload: str = "sign"
     scale_block: int = 0
     sign_noise: float = 0.0
@@ -156,6 +160,7 @@ class RoundConfig:
             local_weight_decay=r.float("local-weight-decay", 0.0, low=0.0),
             local_proximal_mu=r.float("local-proximal-mu", 0.0, low=0.0, high=PROXIMAL_LIMIT),
             stale_momentum=r.choice("stale-momentum", "keep", ("keep", "decay", "reset")),
+            drift_correction=r.choice("drift-correction", "off", DRIFT_KINDS),
             upload=r.choice("upload", "sign", tuple(UPLOADS)),
             scale_block=r.int("scale-block", 0, low=0, high=SCALE_BLOCK_LIMIT),
             sign_noise=r.float("sign-noise", 0.0, low=0.0, high=NOISE_LIMIT),
@@ -205,6 +210,11 @@ class RoundConfig:
             )
         if self.local_optimizer == "sgd" and not self.local_lr > 0.0:
             raise ClientStateError(f"{where} has local-optimizer 'sgd' with local-lr {self.local_lr} (> 0 needed)")
+        if self.drift_correction != "off" and (self.local_optimizer, self.upload) != ("sgd", "ef-sign"):
+            raise ClientStateError(
+                f"{where} has drift-correction {self.drift_correction!r} with local-optimizer "
+                f"{self.local_optimizer!r} and upload {self.upload!r} ('sgd' and 'ef-sign' needed): refused"
+            )
 
     @property
     def as_of(self) -> int:

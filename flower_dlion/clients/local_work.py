@@ -19,11 +19,12 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, RecordDict
 
-from .. import codec, lion, quantizers, stochastic
+from .. import codec, drift, lion, quantizers, stochastic
 from ..params import Binding, LossFn, layer_mask
 from ..protocol import MOMENTUM, SIGN_STYPE, bits_array, sync_prefixes, to_array
 from ..round_records import PROXIMAL_LIMIT, RoundConfig
 from ..uploads import UPLOADS, Shape
+from .drift_state import correction, keep_drift
 from .hooks import UploadHook
 from .placement import Placement
 from .resident import Device, NodeState
@@ -36,6 +37,7 @@ __all__ = [
     "LocalWork",
     "adopt_momentum",
     "age_momentum",
+    "drift_step",
     "local_step",
     "round_generator",
     "round_seed",
@@ -141,7 +143,7 @@ def local_step(cfg: RoundConfig, hook: UploadHook | None = None) -> LocalStep:
     * ``_sgd_then_lion`` (``local-optimizer = "sgd"``): K SGD steps, then one Lion step on
       their change g (FedSMU's client), fused as above where it may be;
     * ``_sgd_ef_sign`` (``local-optimizer = "sgd"``, ``upload = "ef-sign"``): g itself as a
-      scaled sign with error feedback (FedAvg's update, compressed).
+      scaled sign with error feedback (FedAvg's update, compressed); ``drift-correction``: :func:`drift_step`.
     """
     fused = cfg.upload == "sign" and hook is None and cfg.sign_noise == 0.0  # the one-pass path, where K = 1
     if cfg.local_optimizer == "sgd":
@@ -153,7 +155,13 @@ class _Round:
     """What every local step of a round shares: x, the scale blocks, the gradient (with drift control), the noise."""
 
     def __init__(
-        self, state: NodeState, cfg: RoundConfig, sizes: list[int], work: LocalWork, gen: torch.Generator
+        self,
+        state: NodeState,
+        cfg: RoundConfig,
+        sizes: list[int],
+        work: LocalWork,
+        gen: torch.Generator,
+        shift: torch.Tensor | None = None,
     ) -> None:
         self.state, self.cfg, self.gen = state, cfg, gen
         self.x = x = state.replica.x  # shared by the nodes at this version: never changed here
@@ -164,6 +172,9 @@ class _Round:
         mu = cfg.local_proximal_mu
         if mu:  # drift control: each local gradient gains μ·(x_local − x), x the round's replica
             self.gradient = lambda xk, k: work.gradient(xk, k).add_(xk - x, alpha=mu)
+        if shift is not None:  # SCAFFOLD's drift correction: each local gradient gains c − cᵢ (flower_dlion.drift)
+            base = self.gradient
+            self.gradient = lambda xk, k: base(xk, k).add_(shift)
 
     def sgd(self) -> torch.Tensor:
         """K local SGD steps: g = x − x_K."""
@@ -281,6 +292,20 @@ def _sgd_ef_sign(
     return r.encode(r.sgd(), 1, hook, flips, r.perturb)
 
 
+def drift_step(diff: torch.Tensor | None) -> LocalStep:
+    """``_sgd_ef_sign`` with SCAFFOLD's h − hᵢ (None: uncorrected), hᵢ kept (:mod:`flower_dlion.drift`)."""
+
+    def step(state: NodeState, cfg: RoundConfig, sizes: list[int], work: LocalWork, *rest: Any) -> dict[str, Array]:
+        gen, hook, flips = rest
+        shift = None if diff is None else drift.offset(diff, cfg.local_steps, cfg.local_lr)  # (h − hᵢ)/(K·η)
+        r = _Round(state, cfg, sizes, work, gen, shift)
+        arrays = r.encode(r.sgd(), 1, hook, flips, r.perturb)
+        keep_drift(state, arrays, r.sizes, diff, cfg.server_round)  # hᵢ ← ûᵢ − (h − hᵢ)
+        return arrays
+
+    return step
+
+
 def run_round(
     node: NodeState,
     before: int | None,
@@ -313,6 +338,8 @@ def run_round(
     device = placement.device
     age_momentum(node, before, cfg)
     step = local_step(cfg, hook)  # steps 2–3 for the round's options, chosen once
+    if cfg.drift_correction != "off":  # SCAFFOLD's h − hᵢ of the round (flower_dlion.drift), or None
+        step = drift_step(correction(node, before, cfg, content, spec.sizes, node_id))
     if here.grad is None:
         here.grad = torch.empty(spec.d, device=device)
     work = LocalWork(

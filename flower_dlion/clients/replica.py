@@ -112,7 +112,7 @@ def _apply_full(content: RecordDict, node: NodeState | None, env: Apply) -> Node
     rest = received_rest(content, env)
     if node is None:
         return NodeState(replica=replica, m=env.zeros(), rest=rest)
-    return NodeState(replica=replica, m=node.m, error=node.error, rest=rest)
+    return NodeState(replica=replica, m=node.m, error=node.error, drift=node.drift, rest=rest)
 
 
 def _apply_chain(content: RecordDict, node: NodeState | None, env: Apply) -> NodeState:
@@ -124,7 +124,7 @@ def _apply_chain(content: RecordDict, node: NodeState | None, env: Apply) -> Nod
         if node is None:
             node = NodeState(replica=base, m=env.zeros(), rest=rest)
         else:  # a resync keeps the node's momentum and buffers
-            node = NodeState(replica=base, m=node.m, error=node.error, rest=node.rest)
+            node = NodeState(replica=base, m=node.m, error=node.error, drift=node.drift, rest=node.rest)
     if node is None:
         raise ClientStateError(
             f"node {env.node_id} has no replica (new node, or its state was lost) but received kind={kind!r}; "
@@ -144,7 +144,7 @@ def _apply_chain(content: RecordDict, node: NodeState | None, env: Apply) -> Nod
         replica = node.replica
     else:
         raise ClientStateError(f"node {env.node_id}: unknown update kind {kind!r}")
-    return NodeState(replica=replica, m=node.m, error=node.error, rest=node.rest)
+    return NodeState(replica=replica, m=node.m, error=node.error, drift=node.drift, rest=node.rest)
 
 
 # --------------------------------------------------------------------------- the anchored downlink

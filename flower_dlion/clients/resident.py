@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..drift import Drift
 from ..params import Binding
 from .placement import Placement
 from .state import HostState, crc32
@@ -101,6 +102,7 @@ class NodeState:
     replica: Replica
     m: torch.Tensor  # Lion momentum, float32 (d,)
     error: torch.Tensor | None = None  # error-feedback residual (upload "ef-sign"), float32 (d,)
+    drift: Drift | None = None  # the drift correction's hᵢ and its round (flower_dlion.drift)
     rest: dict[str, torch.Tensor] = field(default_factory=dict)  # the buffers, by name
     round: int = 0  # the server round whose train message left the node in this state
     previous: int = -1  # the version before the last catch-up (-1: none)
@@ -115,7 +117,7 @@ class NodeState:
 
     def nbytes(self) -> int:
         """Bytes of the node's own tensors (not its replica's)."""
-        own = [self.m, self.error, *self.rest.values()]
+        own = [self.m, self.error, None if self.drift is None else self.drift.h, *self.rest.values()]
         return sum(t.numel() * t.element_size() for t in own if t is not None) + len(self.undo)
 
     def to_host(self, placement: Placement, momentum_dtype: str) -> HostState:
@@ -142,6 +144,8 @@ class NodeState:
             m=m,
             m_dtype=momentum_dtype,
             error=None if self.error is None else placement.to_host(self.error, "e-persist"),
+            drift=None if self.drift is None else placement.to_host(self.drift.h, "drift-persist"),
+            drift_round=-1 if self.drift is None else self.drift.round,
             rest={k: placement.to_host(v, "rest-persist") for k, v in self.rest.items()},
             recent=replica.recent if replica.depth else None,
             depth=replica.depth if replica.recent is not None else 0,
@@ -190,6 +194,7 @@ class NodeState:
             replica=replica,
             m=m,
             error=None if host.error is None else placement.to_device(host.error, "load"),
+            drift=None if host.drift is None else Drift(placement.to_device(host.drift, "load"), host.drift_round),
             rest={k: placement.to_device(v, "load") for k, v in host.rest.items()},
             round=host.round,
             previous=host.previous,

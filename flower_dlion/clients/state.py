@@ -9,7 +9,8 @@ the writers of :mod:`.state_store` take numpy arrays only).
 What is persisted of a node (:class:`HostState`):
 
 * its own state: the Lion momentum m (float32, or the 16 bits of bfloat16), the error-feedback
-  residual e (``upload="ef-sign"``), its buffers (``rest``), what it takes
+  residual e (``upload="ef-sign"``), the drift correction's hᵢ and its round (``drift``, ``drift-round``:
+  :mod:`flower_dlion.drift`; optional, so files without it load), its buffers (``rest``), what it takes
   to undo its last catch-up (``previous``, ``undo``), its version and round;
 * its replica: x itself (the chain downlink), or the anchor's version and the integer counts C
   since it (int8, int16 or int32, the narrowest that holds them) with γ and η (the anchored
@@ -90,6 +91,8 @@ class HostState:
     layout: str = ""  # the model's layout fingerprint (params.layout_fingerprint)
     m_dtype: str = "float32"
     error: np.ndarray | None = None  # error-feedback residual, float32
+    drift: np.ndarray | None = None  # the drift correction's hᵢ, float32 (checked where it is used: flower_dlion.drift)
+    drift_round: int = -1  # the round whose upload made it
     rest: dict[str, np.ndarray] = field(default_factory=dict)  # the buffers, by name
     x: np.ndarray | None = None  # float32; persisted only without an anchor (else recomputed on load)
     anchor: np.ndarray | None = None  # xₐ, float32
@@ -107,7 +110,7 @@ class HostState:
     def arrays(self) -> dict[str, np.ndarray]:
         """The per-node arrays as stored (not the anchor: in files it is shared by the run's nodes)."""
         counts = None if self.counts is None else narrow_counts(self.counts)  # here: off a background write's caller
-        out = {"m": self.m, "e": self.error, "counts": counts, "recent": self.recent}
+        out = {"m": self.m, "e": self.error, "drift": self.drift, "counts": counts, "recent": self.recent}
         if self.anchor is None:
             out["x"] = self.x
         return {k: v for k, v in out.items() if v is not None}
@@ -129,7 +132,7 @@ class HostState:
             "depth": self.depth,
             "previous": self.previous,
             "stamp": self.stamp,
-        }
+        } | ({"drift-round": self.drift_round} if self.drift is not None else {})
 
     @classmethod
     def from_parts(
@@ -153,6 +156,8 @@ class HostState:
                 layout=str(meta["layout"]),
                 m_dtype=str(meta["m-dtype"]),
                 error=arrays.get("e"),
+                drift=arrays.get("drift"),
+                drift_round=int(meta.get("drift-round", -1)),
                 rest=dict(rest),
                 x=arrays.get("x"),
                 anchor=anchor,

@@ -1,17 +1,13 @@
 """Distributed Lion as a Flower strategy: bit-packed client signs in, a packed Δ out.
 
-Start here. One round of :class:`DistributedLion`, and where each step lives:
-
-- ``configure_train`` (below) samples the nodes (:mod:`~.nodes`) and asks its downlink ``self.down``
-  for each one's message (:class:`~.downlink.Downlink`: only what it lacks to reach x);
-- the client takes its Lion step and packs its signs (:mod:`flower_dlion.clients.dlion`);
-- ``aggregate_train`` (below) sorts the replies once, has ``self.check`` check them
-  (:class:`~.reply_check.ReplyCheck`), and each later step reads what the check returned: the refused
-  logged (:mod:`~.nodes`), the counts unmasked (``secure``), Δ voted or averaged and applied to x, the
-  metrics (``self.up``, :class:`~.uplink.Uplink`), the downlink told, the divergence watch, the stop rule;
-- the check and both links share the global model (``self.model``, :class:`~.global_model.GlobalModel`)
-  and what the server keeps between rounds, and checkpoints (:class:`~.server_state.ServerState`).
-
+Start here. ``configure_train`` samples the nodes (:mod:`~.nodes`) and asks the downlink ``self.down``
+(:class:`~.downlink.Downlink`) for each one's message, only what it lacks to reach x; the client takes its
+Lion step and packs its signs (:mod:`flower_dlion.clients.dlion`); ``aggregate_train`` sorts the replies
+once, has ``self.check`` check them (:class:`~.reply_check.ReplyCheck`), and each later step reads what the
+check returned: the refused logged (:mod:`~.nodes`), the counts unmasked (``secure``), Δ voted or averaged
+and applied to x, the metrics (``self.up``, :class:`~.uplink.Uplink`), the downlink told, the divergence
+watch, the stop rule. The check and both links share the global model (``self.model``,
+:class:`~.global_model.GlobalModel`) and the server's state and checkpoints (:class:`~.server_state.ServerState`).
 The arguments are kept in small groups that check themselves (``strategy.options``, :mod:`~.options`);
 with ``secure=True``, :mod:`~.secure_rounds` keys the nodes and unmasks the counts.
 """
@@ -33,7 +29,8 @@ from . import divergence
 from .common import ServerModelStrategy
 from .downlink import Downlink
 from .nodes import described_model
-from .options import OptionAttribute, Options
+from .option_attribute import OptionAttribute
+from .options import Options
 from .replies import reported_losses, sort_replies
 from .reply_check import ReplyCheck
 from .secure_rounds import SecureRounds
@@ -134,6 +131,11 @@ class DistributedLion(ServerModelStrategy):
         Drift control for skewed data: each local step's gradient gains μ·(x_local − x), pulling
         the client's copy back toward the round's x (FedProx's term, inside the local Lion or SGD
         steps). Needs ``local_steps`` > 1; 0 turns it off.
+    drift_correction : {"off", "scaffold"} (default: "off")
+        "scaffold": SCAFFOLD's control variates for the 1-bit SGD client (needs "sgd", "ef-sign", "mean",
+        ``broadcast_bits`` ≥ 1, no ``server_momentum``): local steps on g + (h − hᵢ)/(K·η), h the last broadcast,
+        hᵢ ← ûᵢ − (h − hᵢ) the client's (ûᵢ its decoded upload); no extra byte, 4 bytes a parameter on a client;
+        one that did not upload in the round before runs uncorrected and starts anew (:mod:`flower_dlion.drift`).
     accumulate : int (default: 1)
         Minibatches averaged into each local gradient.
     upload : {"sign", "sum", "ef-sign"} (default: "sign")
@@ -147,7 +149,8 @@ class DistributedLion(ServerModelStrategy):
         of each tensor (Lion Cub's), not one per tensor. Needs ef-sign or ``broadcast_bits`` ≥ 1.
     server_momentum : float (default: 0.0)
         μ of a Nesterov momentum on Δ (DiLoCo's outer optimizer): ``M ← μ·M + Δ``, the server
-        applies ``Δ + μ·M``, quantized with error feedback (needs ``broadcast_bits`` ≥ 1). 0: off.
+        applies ``Δ + μ·M``, quantized with error feedback (needs ``broadcast_bits`` ≥ 1). 0: off. With "sgd" and
+        "ef-sign" it is FedAvgM's, Nesterov form (x = heavy-ball's − μ·M: :func:`~.server_delta.quantized_delta`).
     momentum_sync_every : int (default: 0)
         Every R rounds, clients also upload their momentum (float32) and the next round
         sends them the coordinate-wise median; 0 never does.
@@ -188,9 +191,8 @@ class DistributedLion(ServerModelStrategy):
 
     Notes
     -----
-    Faults: a node without a valid reply keeps its last confirmed version and is sent the Δs
-    since; a replica checksum or version mismatch, or a node that lost its state, gets the full
-    model (counted in ``checksum-mismatches`` / ``state-resets``).
+    Faults: a node without a valid reply keeps its last confirmed version and is sent the Δs since; a replica
+    checksum or version mismatch, or a lost state, gets the full model (``checksum-mismatches``, ``state-resets``).
 
     Examples
     --------
@@ -214,6 +216,7 @@ class DistributedLion(ServerModelStrategy):
     local_lr = OptionAttribute("local")
     local_proximal_mu = OptionAttribute("local")
     stale_momentum = OptionAttribute("local")
+    drift_correction = OptionAttribute("local")
     accumulate = OptionAttribute("local")
     aggregation = OptionAttribute("uplink")
     upload = OptionAttribute("uplink")
@@ -261,6 +264,7 @@ class DistributedLion(ServerModelStrategy):
         local_lr: float | None = None,
         local_proximal_mu: float = 0.0,
         stale_momentum: Literal["keep", "decay", "reset"] = "keep",
+        drift_correction: Literal["off", "scaffold"] = "off",
         accumulate: int = 1,
         upload: Literal["sign", "sum", "ef-sign"] = "sign",
         broadcast_bits: int = 0,
@@ -299,11 +303,8 @@ class DistributedLion(ServerModelStrategy):
         self.check = ReplyCheck(self.options, state, model)  # each reply refused or parsed
         self.up = Uplink(self.options, state, model)  # the valid replies in, Δ applied to x
         self.down = Downlink(self.options, state, model, self)  # what each node is sent
-        self.secure_rounds = (  # keys, masks and unmasking (secure=True)
-            SecureRounds(self.options.secure, lambda k: self.nodes.node_of.get(k), lambda: self.run_key)
-            if self.options.secure.secure
-            else None
-        )
+        sec, node_of = self.options.secure, lambda k: self.nodes.node_of.get(k)  # keys, masks, unmasking (secure)
+        self.secure_rounds = SecureRounds(sec, node_of, lambda: self.run_key) if sec.secure else None
         self._grid: Grid | None = None  # the round's grid (the unmasking asks the survivors for their reveals)
 
     @property

@@ -157,6 +157,7 @@ class Downlink:
             local_weight_decay=step.weight_decay if local_lion else 0.0,
             local_proximal_mu=local.local_proximal_mu,
             stale_momentum=local.stale_momentum,
+            drift_correction=local.drift_correction,
             upload=up.upload,
             scale_block=up.scale_block,
             sign_noise=up.sign_noise,

@@ -28,11 +28,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+from ..drift import DRIFT_KINDS, check_drift
 from ..lion import MAX_DECAY, check_hyperparameters
 from ..secure.masking import MIN_PARTICIPANTS
 from ..stochastic import NOISE_KINDS, NOISE_LIMIT
 from ..uploads import upload_kind
 from .divergence import DivergenceOptions
+from .option_attribute import OptionAttribute
 
 __all__ = [
     "DownlinkOptions",
@@ -101,7 +103,8 @@ class LocalOptions:
     ValueError
         A count below 1, an unknown optimizer or momentum policy, a ``local_lr`` missing for
         (or given without) ``local_optimizer="sgd"``, a bad ``local_proximal_mu`` or one
-        without local steps. (The "sgd" client's needs of the upload: :class:`Options`.)
+        without local steps, an unknown ``drift_correction``. (The "sgd" client's needs of the upload,
+        and drift correction's: :class:`Options`.)
 
     """
 
@@ -110,6 +113,7 @@ class LocalOptions:
     local_lr: float | None = None
     local_proximal_mu: float = 0.0
     stale_momentum: Literal["keep", "decay", "reset"] = "keep"
+    drift_correction: Literal["off", "scaffold"] = "off"
     accumulate: int = 1
 
     def __post_init__(self) -> None:
@@ -130,6 +134,8 @@ class LocalOptions:
             raise ValueError(f"local_proximal_mu must be finite and >= 0 (0: off), got {mu}")
         if mu and self.local_steps == 1:
             raise ValueError(f"local_proximal_mu={mu} needs local_steps > 1: one step starts and ends at x")
+        if self.drift_correction not in DRIFT_KINDS:
+            raise ValueError(f"drift_correction must be one of {DRIFT_KINDS}, got {self.drift_correction!r}")
 
     @property
     def lion_steps(self) -> int:
@@ -301,7 +307,8 @@ class Options:
     Raises
     ------
     ValueError
-        The "sgd" client with an upload it cannot make, a decay that flips x's sign
+        The "sgd" client with an upload it cannot make, drift correction outside the 1-bit SGD
+        mode or with the server's momentum (:func:`flower_dlion.drift.check_drift`), a decay that flips x's sign
         (``lr · weight_decay · local_steps`` ≥ 1), the anchored downlink with a scheduled rate or
         with Δs that are not integers, ``anchor_every`` out of the anchored counts' range, or
         secure aggregation of anything but 1-bit signs into an exact Δ, or with momentum sync.
@@ -324,6 +331,9 @@ class Options:
                 "or the delta itself as a scaled sign with error feedback (upload='ef-sign'): it needs one of "
                 f"them and accumulate=1, got upload={uplink.upload!r}, accumulate={local.accumulate}"
             )
+        check_drift(local.drift_correction, local_optimizer=local.local_optimizer, upload=uplink.upload,
+                    aggregation=uplink.aggregation, broadcast_bits=uplink.broadcast_bits,
+                    server_momentum=uplink.server_momentum)  # fmt: skip
         decay = step.lr * step.weight_decay * local.lion_steps
         if decay > MAX_DECAY:
             raise ValueError(
@@ -397,7 +407,7 @@ class Options:
         if local.local_steps > 1 or local.accumulate > 1 or up.upload != "sign":
             lines.append(
                 f"local_steps={local.local_steps} ({local.local_optimizer}) | accumulate={local.accumulate} | "
-                f"upload={up.upload}"
+                f"upload={up.upload}{'' if local.drift_correction == 'off' else ' | drift=' + local.drift_correction}"
             )
         if up.broadcast_bits or sync.momentum_sync_every or down.init_seed is not None:
             layers = ",".join(sync.momentum_sync_layers) or "all"
@@ -413,34 +423,3 @@ class Options:
             sec = self.secure
             lines.append(f"secure aggregation: degree={sec.secure_degree}")
         return [*lines, *self.divergence.describe(), f"downlink={anchored}"]
-
-
-class OptionAttribute:
-    """A read-only attribute of the strategy: the field of the same name in one group of its ``options``.
-
-    ``lr = OptionAttribute("step")`` in a class body makes ``obj.lr`` read ``obj.options.step.lr``;
-    setting it raises ``AttributeError`` (the options are checked together: build a new strategy).
-
-    Parameters
-    ----------
-    group : str
-        The :class:`Options` field that holds the option.
-
-    """
-
-    def __init__(self, group: str) -> None:
-        self.group = group
-        self.name = ""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        if self.name and self.name != name:
-            raise TypeError(f"one OptionAttribute cannot be both {self.name} and {name}")
-        self.name = name
-
-    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
-        if obj is None:
-            return self
-        return getattr(getattr(obj.options, self.group), self.name)
-
-    def __set__(self, obj: Any, value: Any) -> None:
-        raise AttributeError(f"{self.name} is read-only (options.{self.group}.{self.name}): build a new strategy")

@@ -1,0 +1,98 @@
+"""A client's drift correction for one round (``drift-correction = "scaffold"``): h − hᵢ, or why none.
+
+The math is :mod:`flower_dlion.drift`. Here: whether the node's state hᵢ may be used this round, and
+h, the Δ̂ of the round before as the message brought it. The rule, said plainly:
+
+* hᵢ missing (a new node, a state saved without it), of the wrong shape, or non-finite: the node
+  starts anew (a log line names it and why), runs this round uncorrected, and keeps hᵢ ← ûᵢ;
+* hᵢ made in an older round than the one before this (the node missed a round, or its last
+  upload was in another run's round), or a message that is not exactly the one Δ after the
+  node's version (a resync with the full model, a catch-up of several Δs, a round that applied
+  nothing): uncorrected, hᵢ ← ûᵢ (logged at INFO level);
+* otherwise h = Δ̂ of that one Δ (its levels times its scales, as every replica applies it) and
+  the correction is h − hᵢ.
+
+hᵢ is never sent: it lives in the node's state (:class:`~.resident.NodeState`, persisted with it).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+from flwr.app import Array, RecordDict
+
+from .. import codec, drift, quantizers
+from ..protocol import CONFIG, SERVER_UPDATE
+from ..round_records import RoundConfig
+from .integrity import check_steps
+from .resident import NodeState
+
+__all__ = ["correction", "keep_drift", "last_broadcast"]
+
+logger = logging.getLogger("flower_dlion")
+
+
+def correction(
+    node: NodeState, before: int | None, cfg: RoundConfig, content: RecordDict, sizes: Sequence[int], node_id: int
+) -> torch.Tensor | None:
+    """The h − hᵢ of this round (on the node's device), or None: the round runs uncorrected (see the module doc).
+
+    ``before``: the node's version before this message (None: it had no state); ``sizes``: the model's
+    tensors (cut into ``cfg.scale_block`` blocks here, as the broadcast's scales are). A state that cannot
+    be used is dropped here (``node.drift = None``) and the reason logged, naming the node.
+    """
+    d, sizes = node.m.numel(), quantizers.scale_blocks(sizes, cfg.scale_block)
+    why = drift.problem(node.drift, d)
+    if why is not None:
+        level = logging.INFO if node.drift is None else logging.WARNING
+        logger.log(level, "flower-dlion: node %d: its drift-correction state %s: it starts anew (round %d runs "
+                   "uncorrected)", node_id, why, cfg.server_round)  # fmt: skip
+        node.drift = None
+        return None
+    assert node.drift is not None
+    if node.drift.round != cfg.server_round - 1:
+        logger.info("flower-dlion: node %d: its drift-correction state is of round %d, not %d (a missed round): "
+                    "round %d runs uncorrected and it starts anew", node_id, node.drift.round,
+                    cfg.server_round - 1, cfg.server_round)  # fmt: skip
+        return None
+    h = last_broadcast(content, before, cfg, sizes, node_id)
+    if h is None:
+        logger.info("flower-dlion: node %d: round %d's message is not the one Δ after its version: it runs "
+                    "uncorrected and its drift-correction state starts anew", node_id, cfg.server_round)  # fmt: skip
+        return None
+    return h.to(node.drift.h.device).sub_(node.drift.h)
+
+
+def last_broadcast(
+    content: RecordDict, before: int | None, cfg: RoundConfig, sizes: Sequence[int], node_id: int
+) -> torch.Tensor | None:
+    """Δ̂ of the message's one Δ from version ``before`` (float32, host), or None where it brings anything else.
+
+    The message was checked and applied already (:mod:`.replica`): its levels decode, its scales are in range.
+    """
+    round_config = content[CONFIG]
+    one = before is not None and cfg.version == before + 1 and round_config.get("kind") == "deltas"
+    if not (one and int(round_config.get("base-version", -1)) == before and SERVER_UPDATE in content):
+        return None
+    steps = check_steps(round_config, node_id)
+    scales = list(round_config.get("scales", []))
+    if len(steps) != 1 or len(scales) != len(sizes):
+        return None
+    num_levels = steps[0][0]
+    levels = codec.decode_levels(content[SERVER_UPDATE]["payload"].data, num_levels, sum(sizes), torch.int32)
+    return quantizers.dequantize(levels, num_levels, torch.tensor(scales, dtype=torch.float32), sizes)
+
+
+def keep_drift(
+    node: NodeState, arrays: dict[str, Array], sizes: Sequence[int], diff: torch.Tensor | None, rnd: int
+) -> None:
+    """hᵢ ← ûᵢ − (h − hᵢ) into ``node.drift`` (of round ``rnd``), ûᵢ decoded from the upload as the server does.
+
+    ``diff``: the round's h − hᵢ (None: it ran uncorrected, hᵢ ← ûᵢ); ``sizes``: the scale blocks.
+    """
+    device = node.m.device
+    bits = codec.unpack_bits(arrays["signs"].data, node.m.numel()).to(device)
+    scales = torch.from_numpy(arrays["scales"].numpy().copy()).to(device)
+    node.drift = drift.Drift(drift.next_state(drift.decoded_upload(bits, scales, sizes), diff), rnd)

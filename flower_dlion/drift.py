@@ -1,0 +1,121 @@
+r"""Drift correction for the 1-bit SGD client: SCAFFOLD's control variates (option II) at no extra byte.
+
+The mode it is for ("ef-sgd"): ``local_optimizer="sgd"``, ``upload="ef-sign"``,
+``aggregation="mean"``, ``broadcast_bits`` ≥ 1. Each client runs K SGD steps at η (``local_lr``)
+from the round's x and uploads u = x − y_K as a scaled sign with error feedback; the server
+averages the decoded uploads and broadcasts that mean as a scaled sign with its own error
+feedback. With ``drift_correction="scaffold"`` (Karimireddy et al., 2020, Algorithm 1, option
+II) everything is kept in units of a round's update, ``h = K·η·c``::
+
+    client i, round t:   h   = Δ̂ₜ₋₁                     the broadcast of round t−1 (x ← x − lr·(Δ̂ + wd·x))
+                         hᵢ  = its own state, made in round t−1
+                         y₀ = x,  yₖ₊₁ = yₖ − η·(g(yₖ) + (h − hᵢ)/(K·η))    = SCAFFOLD's g + c − cᵢ
+                         uᵢ = x − y_K = η·Σₖ g(yₖ) + (h − hᵢ)
+                         ûᵢ = sⱼ·sign(uᵢ + eᵢ) per block j          the upload as the server decodes it
+                         hᵢ ← ûᵢ − (h − hᵢ)                          = cᵢ − c + (x − y_K)/(K·η), times K·η
+    server:              Δ̂ₜ = Q(mean of the decoded uploads + e)    unchanged: one scaled sign, error feedback
+
+So hᵢ is the client's own drift-free update of the round (η·Σₖ g(yₖ), plus what its error
+feedback held back), and ``h − hᵢ`` moves each local step by the gap between the federation's
+last mean update and the client's own: a client whose data pulls x away from the others' is
+pulled back. **No byte is added**: h is the Δ every in-sync client already receives (scale ×
+sign), and hᵢ never leaves the client; the strategy's ``bytes-up``/``bytes-down`` (the messages
+as sent) show it. The only extra byte on the wire is the config key ``drift-correction`` in each
+train message (about 30 bytes, counted). Client memory: one float32 value a parameter (hᵢ, 4d
+bytes), persisted with the node's state. Not SCAFFOLD's naive ``cᵢ = ûᵢ/(K·η)``: with that, a
+client at a fixed point corrects only half its drift (uᵢ = (η·K·gᵢ + h)/2).
+
+Why the sums agree (full participation, hᵢ = h = 0 in round 1): write Dₜ = mean hᵢ − h at the
+start of round t. The mean of the new hᵢ is mean ûᵢ + mean hᵢ − h = Δ̄ₜ + Dₜ, with Δ̄ₜ the
+server's mean of the decoded uploads; the broadcast is Δ̂ₜ = Δ̄ₜ + eₜ₋₁ − eₜ (its error feedback
+e). Hence ``Dₜ₊₁ = Dₜ + Δ̄ₜ − Δ̂ₜ = eₜ``: Σᵢ (c − cᵢ) = −n·eₜ/(K·η), the server's error-feedback
+residual, bounded, never accumulated (tests/library/test_drift.py checks it round by round).
+Two things break the identity, and the client's rule makes both transient:
+
+* **Partial participation** (a node sampled in round t that did not upload in round t−1, a new
+  node, a node resynced with the full model): its hᵢ is not paired with the Δ̂ it now receives.
+  It runs the round **uncorrected** (h − hᵢ := 0) and starts anew, hᵢ ← ûᵢ; SCAFFOLD's stale
+  cᵢ is not kept. Sparse sampling thus degrades to the plain ef-sgd client, not to a wrong c.
+* **The server's scale clipping** (each ef-sign scale cut to the round's median): the server
+  averages smaller scales than the clients decode, so Σ(c − cᵢ) also carries the clipped mass
+  of past rounds. Clients cannot see the medians; it is measured, not removed.
+
+Not with the server's momentum (``server_momentum`` > 0 is refused): the broadcast is then
+Δ̄ + μ·M, not the clients' mean update, and using it as c feeds the momentum back into every
+client's update (a loop with gain above 1); its c would need M on every client.
+
+Imports torch only. Reference: S. P. Karimireddy et al., "SCAFFOLD: Stochastic Controlled
+Averaging for Federated Learning", ICML 2020.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["DRIFT_KINDS", "Drift", "check_drift", "decoded_upload", "next_state", "offset", "problem"]
+
+DRIFT_KINDS = ("off", "scaffold")
+
+
+@dataclass
+class Drift:
+    """A client's correction state: hᵢ (float32, d values, on the device) and the round whose upload made it."""
+
+    h: torch.Tensor
+    round: int
+
+
+def check_drift(
+    drift: str, *, local_optimizer: str, upload: str, aggregation: str, broadcast_bits: int, server_momentum: float
+) -> None:
+    """Refuse (``ValueError`` naming the option, its value and what it needs) a drift correction that does not apply."""
+    if drift not in DRIFT_KINDS:
+        raise ValueError(f"drift_correction must be one of {DRIFT_KINDS}, got {drift!r}")
+    if drift == "off":
+        return
+    fits = local_optimizer == "sgd" and upload == "ef-sign" and aggregation == "mean" and broadcast_bits >= 1
+    if not fits:
+        raise ValueError(
+            f"drift_correction={drift!r} corrects local SGD steps with the broadcast mean of ef-sign uploads: it "
+            "needs local_optimizer='sgd', upload='ef-sign', aggregation='mean' and broadcast_bits >= 1, got "
+            f"local_optimizer={local_optimizer!r}, upload={upload!r}, aggregation={aggregation!r}, "
+            f"broadcast_bits={broadcast_bits}"
+        )
+    if server_momentum:
+        raise ValueError(
+            f"drift_correction={drift!r} takes c from the broadcast, which with server_momentum={server_momentum} "
+            "is Δ + μ·M, not the clients' mean update (c would feed the momentum back): use server_momentum=0"
+        )
+
+
+def offset(diff: torch.Tensor, steps: int, local_lr: float) -> torch.Tensor:
+    """SCAFFOLD's c − cᵢ from ``diff`` = h − hᵢ (round-update units): ``(h − hᵢ)/(K·η)``, a new tensor."""
+    if steps < 1 or not (math.isfinite(local_lr) and local_lr > 0):
+        raise ValueError(f"steps must be >= 1 and local_lr > 0, got {steps} and {local_lr}")
+    return diff / (steps * local_lr)
+
+
+def next_state(uploaded: torch.Tensor, diff: torch.Tensor | None) -> torch.Tensor:
+    """The client's new hᵢ = ûᵢ − (h − hᵢ), in place on ``uploaded`` (``diff`` None: ran uncorrected, hᵢ ← ûᵢ)."""
+    return uploaded if diff is None else uploaded.sub_(diff)
+
+
+def decoded_upload(bits: torch.Tensor, scales: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
+    """ûᵢ = ±sⱼ per block, as the server decodes a 1-bit scaled sign (before it clips the scales): float32."""
+    per_value = torch.repeat_interleave(scales.to(torch.float32), torch.as_tensor(list(sizes), device=scales.device))
+    return torch.where(bits.to(per_value.device), per_value, -per_value)
+
+
+def problem(state: Drift | None, d: int) -> str | None:
+    """Why a client's correction state cannot be used (it then starts anew), or None where it can."""
+    if state is None:
+        return "it has none (its first round with drift correction, or a state saved without it)"
+    if state.h.shape != (d,) or state.h.dtype != torch.float32:
+        return f"it is {state.h.dtype} {tuple(state.h.shape)}, the model needs float32 ({d},)"
+    if not bool(torch.isfinite(state.h).all()):
+        return "it has non-finite values"
+    return None
