@@ -47,7 +47,7 @@ def correction(
     why = drift.problem(node.drift, d)
     if why is not None:
         level = logging.INFO if node.drift is None else logging.WARNING
-        logger.log(level, "flower-dlion: node %d: its drift-correction state %s: it starts anew (round %d runs "
+        logger.log(level, "flower-dlion: node %d: drift-correction state refused, %s: it starts anew (round %d runs "
                    "uncorrected)", node_id, why, cfg.server_round)  # fmt: skip
         node.drift = None
         return None
