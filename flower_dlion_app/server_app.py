@@ -84,6 +84,7 @@ def build_strategy(cfg: dict[str, Any], state_key: str = "") -> Strategy:
             local_lr=cfg["local-lr"] or None,
             local_proximal_mu=cfg["local-proximal-mu"],
             stale_momentum=cfg["stale-momentum"],
+            drift_correction=cfg["drift-correction"],
             accumulate=cfg["accumulate"],
             upload=cfg["upload"],
             broadcast_bits=cfg["broadcast-bits"],

@@ -27,6 +27,7 @@ from .. import codec, drift, quantizers
 from ..protocol import CONFIG, SERVER_UPDATE
 from ..round_records import RoundConfig
 from .integrity import check_steps
+from .placement import Placement
 from .resident import NodeState
 
 __all__ = ["correction", "keep_drift", "last_broadcast"]
@@ -35,7 +36,13 @@ logger = logging.getLogger("flower_dlion")
 
 
 def correction(
-    node: NodeState, before: int | None, cfg: RoundConfig, content: RecordDict, sizes: Sequence[int], node_id: int
+    node: NodeState,
+    before: int | None,
+    cfg: RoundConfig,
+    content: RecordDict,
+    sizes: Sequence[int],
+    node_id: int,
+    placement: Placement,
 ) -> torch.Tensor | None:
     """The h − hᵢ of this round (on the node's device), or None: the round runs uncorrected (see the module doc).
 
@@ -62,7 +69,7 @@ def correction(
         logger.info("flower-dlion: node %d: round %d's message is not the one Δ after its version: it runs "
                     "uncorrected and its drift-correction state starts anew", node_id, cfg.server_round)  # fmt: skip
         return None
-    return h.to(node.drift.h.device).sub_(node.drift.h)
+    return placement.to_device(h.numpy(), "drift").sub_(node.drift.h)  # h crosses once, hᵢ stays
 
 
 def last_broadcast(
@@ -86,13 +93,17 @@ def last_broadcast(
 
 
 def keep_drift(
-    node: NodeState, arrays: dict[str, Array], sizes: Sequence[int], diff: torch.Tensor | None, rnd: int
+    node: NodeState,
+    arrays: dict[str, Array],
+    sizes: Sequence[int],
+    diff: torch.Tensor | None,
+    rnd: int,
+    placement: Placement,
 ) -> None:
     """hᵢ ← ûᵢ − (h − hᵢ) into ``node.drift`` (of round ``rnd``), ûᵢ decoded from the upload as the server does.
 
     ``diff``: the round's h − hᵢ (None: it ran uncorrected, hᵢ ← ûᵢ); ``sizes``: the scale blocks.
     """
-    device = node.m.device
-    bits = codec.unpack_bits(arrays["signs"].data, node.m.numel()).to(device)
-    scales = torch.from_numpy(arrays["scales"].numpy().copy()).to(device)
+    bits = placement.to_device(codec.unpack_bits(arrays["signs"].data, node.m.numel()).numpy(), "drift")
+    scales = placement.to_device(arrays["scales"].numpy().copy(), "drift")
     node.drift = drift.Drift(drift.next_state(drift.decoded_upload(bits, scales, sizes), diff), rnd)

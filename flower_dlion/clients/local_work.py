@@ -292,7 +292,7 @@ def _sgd_ef_sign(
     return r.encode(r.sgd(), 1, hook, flips, r.perturb)
 
 
-def drift_step(diff: torch.Tensor | None) -> LocalStep:
+def drift_step(diff: torch.Tensor | None, placement: Placement) -> LocalStep:
     """``_sgd_ef_sign`` with SCAFFOLD's h − hᵢ (None: uncorrected), hᵢ kept (:mod:`flower_dlion.drift`)."""
 
     def step(state: NodeState, cfg: RoundConfig, sizes: list[int], work: LocalWork, *rest: Any) -> dict[str, Array]:
@@ -300,7 +300,7 @@ def drift_step(diff: torch.Tensor | None) -> LocalStep:
         shift = None if diff is None else drift.offset(diff, cfg.local_steps, cfg.local_lr)  # (h − hᵢ)/(K·η)
         r = _Round(state, cfg, sizes, work, gen, shift)
         arrays = r.encode(r.sgd(), 1, hook, flips, r.perturb)
-        keep_drift(state, arrays, r.sizes, diff, cfg.server_round)  # hᵢ ← ûᵢ − (h − hᵢ)
+        keep_drift(state, arrays, r.sizes, diff, cfg.server_round, placement)  # hᵢ ← ûᵢ − (h − hᵢ)
         return arrays
 
     return step
@@ -339,7 +339,7 @@ def run_round(
     age_momentum(node, before, cfg)
     step = local_step(cfg, hook)  # steps 2–3 for the round's options, chosen once
     if cfg.drift_correction != "off":  # SCAFFOLD's h − hᵢ of the round (flower_dlion.drift), or None
-        step = drift_step(correction(node, before, cfg, content, spec.sizes, node_id))
+        step = drift_step(correction(node, before, cfg, content, spec.sizes, node_id, placement), placement)
     if here.grad is None:
         here.grad = torch.empty(spec.d, device=device)
     work = LocalWork(

@@ -197,6 +197,13 @@ def quantized_delta(
     target ← ``target + μ·M``. Then ``levels, scales = ef_quantize_(target, e)`` into 2
     (``broadcast_bits`` = 1) or 2ᵇ − 1 levels with one scale per block, e ← target + e − sent.
     ``state.outer_momentum`` (M) and ``state.server_error`` (e) start at 0 and are updated in place.
+
+    In the 1-bit SGD mode (``local_optimizer="sgd"``, ef-sign uploads averaged) the target is
+    Δ̄ₜ, the decoded mean of the clients' model changes, and μ is FedAvgM's server momentum (Hsu et
+    al., 2019) in Nesterov's form: M is heavy ball's v (v ← μ·v + Δ̄ₜ), and the steps sent satisfy
+    Σₜ Δ̂ₜ + eₜ = Σₜ vₜ + μ·vₜ, i.e. x is heavy ball's x minus the look-ahead lr·μ·v
+    (tests/library/test_drift.py). No byte is added: M stays on the server; μ = 0 is bit for bit
+    the run without it.
     """
     total, clipped = kind.total(list(uploads), shape)
     n, k = len(uploads), shape.steps

@@ -267,6 +267,14 @@ def _check_local_optimizer(cfg: dict[str, Any]) -> None:
     The local SGD client (``local-optimizer`` = "sgd") needs a ``local-lr`` > 0 and the sign upload
     (FedSMU's: one Lion step on the SGD delta) or ef-sign (the delta itself, compressed with error feedback).
     """
+    if cfg["drift-correction"] != "off":  # the full check (which mode, no server momentum): DistributedLion's
+        mode = (cfg["local-optimizer"], cfg["upload"], cfg["strategy"])
+        if mode != ("sgd", "ef-sign", "dlion-mean") or not cfg["broadcast-bits"] or cfg["server-momentum"]:
+            raise ValueError(
+                f"run-config 'drift-correction' = {cfg['drift-correction']!r} needs local-optimizer 'sgd', upload "
+                "'ef-sign', strategy 'dlion-mean', 'broadcast-bits' >= 1 and 'server-momentum' = 0, got "
+                f"{mode}, broadcast-bits={cfg['broadcast-bits']}, server-momentum={cfg['server-momentum']}"
+            )
     mu = cfg["local-proximal-mu"]
     if not (math.isfinite(mu) and 0 <= mu <= 1e6):
         raise ValueError(f"run-config 'local-proximal-mu' must be in [0, 1e6] (0: off), got {mu}")

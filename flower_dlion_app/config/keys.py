@@ -87,6 +87,15 @@ GROUPS: dict[str, Group] = {
                     "pulling the client's copy toward the round's x; 0 = off"
                 ),
             ),
+            "drift-correction": Key(
+                "off",
+                (
+                    "D-Lion family, the 1-bit SGD mode (`local-optimizer` = `sgd`, `upload` = `ef-sign`, "
+                    "`strategy` = `dlion-mean`, `broadcast-bits` ≥ 1, no `server-momentum`): `scaffold` runs each "
+                    "local SGD step on g + c − cᵢ, SCAFFOLD's control variates with c the last broadcast and cᵢ the "
+                    "client's own (no extra byte; 4 bytes a parameter on each client); `off` = today's client"
+                ),
+            ),
             "stale-momentum": Key(
                 "keep",
                 (
@@ -394,6 +403,7 @@ _CHOICES = {
     "upload": ("sign", "sum", "ef-sign"),
     "local-optimizer": ("lion", "sgd"),
     "stale-momentum": ("keep", "decay", "reset"),
+    "drift-correction": ("off", "scaffold"),
     "lr-schedule": ("constant", "cosine"),
     "init": ("full", "seed"),
     "downlink": ("auto", "anchored", "chain"),
@@ -418,6 +428,7 @@ DLION_ONLY = (
     "local-optimizer",
     "local-lr",
     "local-proximal-mu",
+    "drift-correction",
     "stale-momentum",
     "accumulate",
     "upload",

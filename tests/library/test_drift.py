@@ -16,6 +16,7 @@ from torch import nn
 from flower_dlion import DistributedLion, DLionClient, codec, drift, quantizers
 from flower_dlion.clients.drift_state import correction
 from flower_dlion.clients.local_work import drift_step
+from flower_dlion.clients.placement import Placement
 from flower_dlion.clients.resident import NodeState, Replica
 from flower_dlion.clients.state import HostState
 from flower_dlion.clients.state_store import read_state_file, write_state_file
@@ -29,6 +30,9 @@ EF_SGD = {  # the "ef-sgd" mode of docs/RESULTS.md, "Strong skew on the test gri
     "aggregation": "mean", "local_optimizer": "sgd", "local_lr": 0.1, "upload": "ef-sign",
     "broadcast_bits": 1, "lr": 1.0, "weight_decay": 0.0,
 }  # fmt: skip
+
+
+PLACE = Placement(torch.device("cpu"))
 
 
 class _Work:
@@ -60,7 +64,7 @@ def test_two_corrected_sgd_steps_on_a_quadratic_give_the_hand_computed_upload_an
     # Prepare: x = (1, −1), g(y) = y, K = 2, η = 0.5, h − hᵢ = (0.25, 0.5): c − cᵢ = (h − hᵢ)/(K·η) = (0.25, 0.5)
     node, diff = _node([1.0, -1.0]), torch.tensor([0.25, 0.5])
     # Execute
-    arrays = drift_step(diff)(node, _cfg(), [2], _Work(torch.zeros(2)), torch.Generator(), None, [])  # type: ignore[arg-type]
+    arrays = drift_step(diff, PLACE)(node, _cfg(), [2], _Work(torch.zeros(2)), torch.Generator(), None, [])  # type: ignore[arg-type]
     # Assert: y₁ = (0.375, −0.75), y₂ = (0.0625, −0.625), u = x − y₂ = (0.9375, −0.375) = η·Σg + (h − hᵢ);
     # scale mean|u| = 0.65625, û = (0.65625, −0.65625), e = u − û, hᵢ ← û − (h − hᵢ)
     assert codec.unpack_bits(arrays["signs"].data, 2).tolist() == [True, False]
@@ -72,7 +76,7 @@ def test_two_corrected_sgd_steps_on_a_quadratic_give_the_hand_computed_upload_an
 def test_an_uncorrected_round_is_plain_sgd_and_keeps_its_decoded_upload() -> None:
     # Prepare / Execute: no correction (diff None): y₁ = (0.5, −0.5), y₂ = (0.25, −0.25), u = (0.75, −0.75)
     node = _node([1.0, -1.0])
-    drift_step(None)(node, _cfg(), [2], _Work(torch.zeros(2)), torch.Generator(), None, [])  # type: ignore[arg-type]
+    drift_step(None, PLACE)(node, _cfg(), [2], _Work(torch.zeros(2)), torch.Generator(), None, [])  # type: ignore[arg-type]
     # Assert: hᵢ = û
     assert node.drift is not None and node.drift.h.tolist() == [0.75, -0.75]
 
@@ -91,7 +95,7 @@ def test_the_correction_is_the_last_broadcast_minus_the_clients_state() -> None:
     # Prepare: hᵢ of round 4, the message's one Δ from version 4: Δ̂ = 0.5·(+1, −1)
     node = _node([0.0, 0.0], h=[0.125, 0.25], rnd=4)
     # Execute
-    diff = correction(node, 4, _cfg(), _one_delta([1, 0], 0.5), [2], node_id=7)
+    diff = correction(node, 4, _cfg(), _one_delta([1, 0], 0.5), [2], 7, PLACE)
     # Assert
     assert diff is not None and diff.tolist() == [0.375, -0.75]
 
@@ -113,7 +117,7 @@ def test_a_state_that_cannot_be_used_runs_the_round_uncorrected_and_says_so(
     caplog.set_level(logging.INFO, logger="flower_dlion")
     node = _node([0.0, 0.0], h=h, rnd=rnd)
     # Execute
-    diff = correction(node, before, _cfg(), _one_delta([1, 0], 0.5, base=before), [2], node_id=7)
+    diff = correction(node, before, _cfg(), _one_delta([1, 0], 0.5, base=before), [2], 7, PLACE)
     # Assert: none applied, a line naming the node and why; a damaged state is dropped
     assert diff is None
     lines = [r for r in caplog.records if "node 7" in r.getMessage() and why in r.getMessage()]
