@@ -53,20 +53,38 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-__all__ = ["DRIFT_KINDS", "Drift", "check_drift", "decoded_upload", "next_state", "offset", "problem"]
+__all__ = [
+    "DRIFT_KINDS",
+    "LIMIT",
+    "Drift",
+    "check_drift",
+    "clipped_part",
+    "decoded_upload",
+    "next_state",
+    "offset",
+    "problem",
+]
 
 DRIFT_KINDS = ("off", "scaffold")
+LIMIT = 1e6  # a clip limit (a median of ef-sign scales) beyond this is refused by the client
 
 
 @dataclass
 class Drift:
-    """A client's correction state: hᵢ (float32, d values, on the device) and the round whose upload made it."""
+    """A client's correction state: hᵢ (float32, d values, on the device), the round whose upload made it.
+
+    ``signs`` and ``scales``: that upload's packed signs and per-block scales (host, uint8 and float32),
+    kept until the next round's message says where the server cut the scales (:func:`clipped_part`).
+    """
 
     h: torch.Tensor
     round: int
+    signs: Any = None  # numpy uint8 (⌈d/8⌉,) or None
+    scales: Any = None  # numpy float32 (blocks,) or None
 
 
 def check_drift(
@@ -110,6 +128,15 @@ def decoded_upload(bits: torch.Tensor, scales: torch.Tensor, sizes: Sequence[int
     return torch.where(bits.to(per_value.device), per_value, -per_value)
 
 
+def clipped_part(bits: torch.Tensor, scales: torch.Tensor, limits: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
+    """What the server's scale clipping took off an upload: ±max(sⱼ − limitⱼ, 0) per value (float32).
+
+    ``limits``: the round's cut per block (the lower median of the clients' scales); the upload as
+    the server decoded it is ``decoded_upload(bits, scales) − clipped_part(bits, scales, limits)``.
+    """
+    return decoded_upload(bits, (scales.to(torch.float32) - limits.to(torch.float32)).clamp_(min=0.0), sizes)
+
+
 def problem(state: Drift | None, d: int) -> str | None:
     """Why a client's correction state cannot be used (it then starts anew), or None where it can."""
     if state is None:
@@ -118,4 +145,10 @@ def problem(state: Drift | None, d: int) -> str | None:
         return f"it is {state.h.dtype} {tuple(state.h.shape)}, the model needs float32 ({d},)"
     if not bool(torch.isfinite(state.h).all()):
         return "it has non-finite values"
+    if (state.signs is None) != (state.scales is None) or (
+        state.signs is not None and (state.signs.shape != ((d + 7) // 8,) or state.signs.dtype.name != "uint8")
+    ):
+        return "its upload's signs do not fit the model"
+    if state.scales is not None and not (state.scales.dtype.name == "float32" and (state.scales >= 0).all()):
+        return "its upload's scales are not non-negative float32"
     return None

@@ -29,7 +29,7 @@ from typing import Any
 
 from flwr.app import ConfigRecord, MetricRecord, RecordDict
 
-from .drift import DRIFT_KINDS
+from .drift import DRIFT_KINDS, LIMIT
 from .protocol import (
     CONFIG,
     EXPLAINED_FLIPS,
@@ -82,6 +82,9 @@ class RoundConfig:
         "keep", "decay" or "reset".
     drift_correction : str
         "off" or "scaffold" (:mod:`flower_dlion.drift`; needs "sgd" and the ef-sign upload).
+    drift_limits : tuple of float
+        Where the last round cut the ef-sign scales, per scale block (drift correction): each in
+        [0, 1e6], at most 2**20 of them; () when absent.
     upload : str
         One of :data:`flower_dlion.uploads.UPLOADS`.
     scale_block : int
@@ -121,6 +124,7 @@ class RoundConfig:
     local_proximal_mu: float = 0.0
     stale_momentum: str = "keep"
     drift_correction: str = "off"
+    drift_limits: tuple[float, ...] = ()
     upload: str = "sign"
     scale_block: int = 0
     sign_noise: float = 0.0
@@ -161,6 +165,7 @@ class RoundConfig:
             local_proximal_mu=r.float("local-proximal-mu", 0.0, low=0.0, high=PROXIMAL_LIMIT),
             stale_momentum=r.choice("stale-momentum", "keep", ("keep", "decay", "reset")),
             drift_correction=r.choice("drift-correction", "off", DRIFT_KINDS),
+            drift_limits=r.floats("drift-limits", high=LIMIT),
             upload=r.choice("upload", "sign", tuple(UPLOADS)),
             scale_block=r.int("scale-block", 0, low=0, high=SCALE_BLOCK_LIMIT),
             sign_noise=r.float("sign-noise", 0.0, low=0.0, high=NOISE_LIMIT),
@@ -226,10 +231,11 @@ class RoundConfig:
 
         ``RoundConfig.parse(cfg.to_record(), node)`` gives ``cfg`` back; booleans go as 0 / 1.
         """
-        out: dict[str, int | float | str] = {}
+        out: dict[str, int | float | str | list[float]] = {}
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name in ALWAYS or value != f.default:
+                value = list(value) if isinstance(value, tuple) else value
                 out[KEYS.get(f.name, f.name.replace("_", "-"))] = int(value) if isinstance(value, bool) else value
         return ConfigRecord(out)
 
@@ -340,6 +346,13 @@ class _Reader:
                 allowed = f"a finite number in [{low:g}, {high:g}]"
             raise self._refuse(key, value, allowed)
         return float(value)
+
+    def floats(self, key: str, *, high: float) -> tuple[float, ...]:
+        value = self._get(key, [])
+        ok = isinstance(value, list) and len(value) <= 1 << 20
+        if not (ok and all(isinstance(v, float) and math.isfinite(v) and 0.0 <= v <= high for v in value)):
+            raise self._refuse(key, value if len(repr(value)) < 200 else "…", f"a list of floats in [0, {high:g}]")
+        return tuple(value)
 
     def choice(self, key: str, default: str, choices: tuple[str, ...]) -> str:
         value = self._get(key, default)

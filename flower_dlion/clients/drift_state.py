@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from flwr.app import Array, RecordDict
 
@@ -69,7 +70,17 @@ def correction(
         logger.info("flower-dlion: node %d: round %d's message is not the one Δ after its version: it runs "
                     "uncorrected and its drift-correction state starts anew", node_id, cfg.server_round)  # fmt: skip
         return None
-    return placement.to_device(h.numpy(), "drift").sub_(node.drift.h)  # h crosses once, hᵢ stays
+    own, h_own = node.drift, node.drift.h
+    if own.signs is not None and cfg.drift_limits:  # hᵢ as the server decoded the upload: less what it cut
+        if len(cfg.drift_limits) != len(sizes) or own.scales is None or len(own.scales) != len(sizes):
+            logger.info("flower-dlion: node %d: round %d's drift-limits do not fit its upload: it runs uncorrected "
+                        "and starts anew", node_id, cfg.server_round)  # fmt: skip
+            return None
+        bits = codec.unpack_bits(own.signs, d)
+        limits = torch.tensor(cfg.drift_limits, dtype=torch.float32)
+        cut = drift.clipped_part(bits, torch.from_numpy(own.scales), limits, sizes)
+        h_own = own.h - placement.to_device(cut.numpy(), "drift")  # a new tensor: a round that fails keeps hᵢ
+    return placement.to_device(h.numpy(), "drift").sub_(h_own)  # h crosses once, hᵢ stays
 
 
 def last_broadcast(
@@ -104,6 +115,8 @@ def keep_drift(
 
     ``diff``: the round's h − hᵢ (None: it ran uncorrected, hᵢ ← ûᵢ); ``sizes``: the scale blocks.
     """
-    bits = placement.to_device(codec.unpack_bits(arrays["signs"].data, node.m.numel()).numpy(), "drift")
-    scales = placement.to_device(arrays["scales"].numpy().copy(), "drift")
-    node.drift = drift.Drift(drift.next_state(drift.decoded_upload(bits, scales, sizes), diff), rnd)
+    signs = np.frombuffer(arrays["signs"].data, dtype=np.uint8).copy()  # kept until the server says where it cut
+    scales = arrays["scales"].numpy().astype(np.float32, copy=True)
+    bits = placement.to_device(codec.unpack_bits(signs, node.m.numel()).numpy(), "drift")
+    uploaded = drift.decoded_upload(bits, placement.to_device(scales, "drift"), sizes)
+    node.drift = drift.Drift(drift.next_state(uploaded, diff), rnd, signs, scales)

@@ -146,6 +146,8 @@ class NodeState:
             error=None if self.error is None else placement.to_host(self.error, "e-persist"),
             drift=None if self.drift is None else placement.to_host(self.drift.h, "drift-persist"),
             drift_round=-1 if self.drift is None else self.drift.round,
+            drift_signs=None if self.drift is None else self.drift.signs,  # host arrays already
+            drift_scales=None if self.drift is None else self.drift.scales,
             rest={k: placement.to_host(v, "rest-persist") for k, v in self.rest.items()},
             recent=replica.recent if replica.depth else None,
             depth=replica.depth if replica.recent is not None else 0,
@@ -194,7 +196,7 @@ class NodeState:
             replica=replica,
             m=m,
             error=None if host.error is None else placement.to_device(host.error, "load"),
-            drift=None if host.drift is None else Drift(placement.to_device(host.drift, "load"), host.drift_round),
+            drift=_drift(host, placement),
             rest={k: placement.to_device(v, "load") for k, v in host.rest.items()},
             round=host.round,
             previous=host.previous,
@@ -210,6 +212,13 @@ class NodeState:
                 pending.result()
             except Exception as err:
                 logger.warning("flower-dlion: a state file could not be written (%r): the node's older copy stays", err)
+
+
+def _drift(host: HostState, placement: Placement) -> Drift | None:
+    """The drift correction's state on the device (hᵢ; its upload's signs and scales stay on the host)."""
+    if host.drift is None:
+        return None
+    return Drift(placement.to_device(host.drift, "load"), host.drift_round, host.drift_signs, host.drift_scales)
 
 
 class ReplicaPool:

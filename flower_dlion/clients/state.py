@@ -93,6 +93,8 @@ class HostState:
     error: np.ndarray | None = None  # error-feedback residual, float32
     drift: np.ndarray | None = None  # the drift correction's hᵢ, float32 (checked where it is used: flower_dlion.drift)
     drift_round: int = -1  # the round whose upload made it
+    drift_signs: np.ndarray | None = None  # that upload's packed signs, uint8, and its scales, float32: until the
+    drift_scales: np.ndarray | None = None  # next message says where the server cut them (flower_dlion.drift)
     rest: dict[str, np.ndarray] = field(default_factory=dict)  # the buffers, by name
     x: np.ndarray | None = None  # float32; persisted only without an anchor (else recomputed on load)
     anchor: np.ndarray | None = None  # xₐ, float32
@@ -110,10 +112,14 @@ class HostState:
     def arrays(self) -> dict[str, np.ndarray]:
         """The per-node arrays as stored (not the anchor: in files it is shared by the run's nodes)."""
         counts = None if self.counts is None else narrow_counts(self.counts)  # here: off a background write's caller
-        out = {"m": self.m, "e": self.error, "drift": self.drift, "counts": counts, "recent": self.recent}
+        out = {"m": self.m, "e": self.error, **self.drift_arrays(), "counts": counts, "recent": self.recent}
         if self.anchor is None:
             out["x"] = self.x
         return {k: v for k, v in out.items() if v is not None}
+
+    def drift_arrays(self) -> dict[str, np.ndarray | None]:
+        """The drift correction's arrays by their stored names (None: absent)."""
+        return {"drift": self.drift, "drift-signs": self.drift_signs, "drift-scales": self.drift_scales}
 
     def meta(self) -> dict[str, int | float | str]:
         """The numbers and names stored besides the arrays."""
@@ -157,6 +163,8 @@ class HostState:
                 m_dtype=str(meta["m-dtype"]),
                 error=arrays.get("e"),
                 drift=arrays.get("drift"),
+                drift_signs=arrays.get("drift-signs"),
+                drift_scales=arrays.get("drift-scales"),
                 drift_round=int(meta.get("drift-round", -1)),
                 rest=dict(rest),
                 x=arrays.get("x"),

@@ -372,8 +372,8 @@ class StateStore:
 
 def require_host(host: HostState) -> None:
     """A ``TypeError`` for anything but numpy arrays in ``host``: on the CPU as on a GPU, where a tensor fails later."""
-    named = {"m": host.m, "e": host.error, "drift": host.drift, "x": host.x, "anchor": host.anchor}
-    named["counts"] = host.counts
+    named = {"m": host.m, "e": host.error, "x": host.x, "anchor": host.anchor, "counts": host.counts}
+    named |= host.drift_arrays()
     named |= {"recent": host.recent} | {f"rest {k!r}": v for k, v in host.rest.items()}
     for name, a in named.items():
         if a is not None and not isinstance(a, np.ndarray):

@@ -158,6 +158,7 @@ class Downlink:
             local_proximal_mu=local.local_proximal_mu,
             stale_momentum=local.stale_momentum,
             drift_correction=local.drift_correction,
+            drift_limits=tuple(self.state.drift_limits or ()) if local.drift_correction != "off" else (),
             upload=up.upload,
             scale_block=up.scale_block,
             sign_noise=up.sign_noise,

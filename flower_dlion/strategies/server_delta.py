@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from .. import codec, lion, quantizers
+from ..bounds import lower_median
 from ..lion import Aggregation
 from ..uploads import Parsed, Shape, SignUpload, Upload
 
@@ -63,6 +64,7 @@ class RoundDelta(NamedTuple):
     sum_abs: int  # Σ|S| for an integer S; 0 for the float S of scaled signs
     scales: tuple[float, ...] | None  # one per scale block (``Shape.sizes``); None: 1
     clipped: int  # ef-sign scales cut to the round's median (``Upload.total``)
+    limits: tuple[float, ...] | None = None  # quantized ef-sign means: the cut per block (drift correction's)
 
 
 class FeedbackState(Protocol):
@@ -222,7 +224,9 @@ def quantized_delta(
         state.server_error = torch.zeros_like(target)
     num_levels = 2 if broadcast_bits == 1 else 2**broadcast_bits - 1
     levels, scales = quantizers.ef_quantize_(target, state.server_error, shape.sizes, num_levels)
-    return _finish(total, lion.Levels(levels, num_levels), tuple(float(v) for v in scales), clipped)
+    delta = _finish(total, lion.Levels(levels, num_levels), tuple(float(v) for v in scales), clipped)
+    sent = [u.scales for u in uploads if u.scales is not None]  # ef-sign: where Upload.total cut them
+    return delta._replace(limits=tuple(float(v) for v in lower_median(torch.stack(sent)))) if sent else delta
 
 
 def _finish(total: torch.Tensor, levels: lion.Levels, scales: tuple[float, ...] | None, clipped: int) -> RoundDelta:

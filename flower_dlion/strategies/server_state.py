@@ -76,6 +76,7 @@ class ServerState:
     server_error: torch.Tensor | None = None  # error feedback of a quantized broadcast
     outer_momentum: torch.Tensor | None = None  # M of the server's Nesterov momentum on Δ (server_momentum > 0)
     synced_momentum: torch.Tensor | None = None  # the median of the last sync round's momenta, to send next
+    drift_limits: tuple[float, ...] | None = None  # where the last applied round cut the ef-sign scales, to send next
     seed_failed: set[int] = field(default_factory=set)  # partitions whose x₀ from the seed did not match
     x0_checksum: int = 0  # of x₀ and the rest of the model, for clients that build x₀ from the seed
     anchored: AnchoredHistory | None = None  # the anchored downlink's anchor, counts and kept history
@@ -94,6 +95,7 @@ class ServerState:
             "x0_checksum": self.x0_checksum,
             "anchored": None if self.anchored is None else self.anchored.to_dict(),
             "context_of": dict(self.context_of),
+            "drift_limits": self.drift_limits,
         }
 
     @classmethod
@@ -110,6 +112,7 @@ class ServerState:
             x0_checksum=int(state["x0_checksum"]),
             anchored=None if state["anchored"] is None else AnchoredHistory.from_dict(state["anchored"]),
             context_of={int(p): int(v) for p, v in state["context_of"].items()},
+            drift_limits=state.get("drift_limits"),  # absent from checkpoints before it existed
         )
 
     def on_rejected(self, pid: int, err: RejectedReply, reason: str, counts: RoundCounts, *, seeded: bool) -> bool:

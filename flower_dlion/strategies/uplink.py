@@ -125,6 +125,7 @@ class Uplink:
         else:
             update = self.aggregate_replies([r.upload for r in valid], self.shape, self.state)
         counts.clipped, scales = update.clipped, update.scales
+        self.state.drift_limits = update.limits  # sent in the next round's config (drift correction)
         broadcast = None
         history = self.state.anchored
         if history is not None:  # x = γ·xₐ − η·C (Δ = K·L, the K in η), written into x

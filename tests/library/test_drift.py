@@ -100,6 +100,18 @@ def test_the_correction_is_the_last_broadcast_minus_the_clients_state() -> None:
     assert diff is not None and diff.tolist() == [0.375, -0.75]
 
 
+def test_the_clients_state_loses_what_the_server_cut_of_its_scales() -> None:
+    # Prepare: hᵢ = (0.125, 0.25) made from an upload of signs (+, −) at scale 0.5; the server cut it to 0.375
+    node = _node([0.0, 0.0], h=[0.125, 0.25], rnd=4)
+    assert node.drift is not None
+    node.drift.signs, node.drift.scales = np.array([0b10000000], np.uint8), np.array([0.5], np.float32)
+    # Execute
+    diff = correction(node, 4, _cfg(drift_limits=(0.375,)), _one_delta([1, 0], 0.5), [2], 7, PLACE)
+    # Assert: hᵢ as the server counted it, (0.125 − 0.125, 0.25 + 0.125); h − that; the state itself unchanged
+    assert diff is not None and diff.tolist() == [0.5, -0.875]
+    assert node.drift.h.tolist() == [0.125, 0.25]
+
+
 @pytest.mark.parametrize(
     ("h", "rnd", "before", "level", "why"),
     [
@@ -108,6 +120,7 @@ def test_the_correction_is_the_last_broadcast_minus_the_clients_state() -> None:
         ([0.0, 0.0, 0.0], 4, 4, logging.WARNING, "the model needs float32 (2,)"),
         ([0.0, 0.0], 3, 4, logging.INFO, "a missed round"),
         ([0.0, 0.0], 4, 3, logging.INFO, "not the one Δ after its version"),
+        ([0.0, 0.0], 4, 4, logging.INFO, "drift-limits do not fit its upload"),
     ],
 )
 def test_a_state_that_cannot_be_used_runs_the_round_uncorrected_and_says_so(
@@ -116,8 +129,11 @@ def test_a_state_that_cannot_be_used_runs_the_round_uncorrected_and_says_so(
     # Prepare: missing, non-finite, of another shape, of an older round, or a message that is not one Δ
     caplog.set_level(logging.INFO, logger="flower_dlion")
     node = _node([0.0, 0.0], h=h, rnd=rnd)
+    if node.drift is not None and "limits" in why:  # two limits for its one block
+        node.drift.signs, node.drift.scales = np.array([0], np.uint8), np.array([0.5], np.float32)
+    cfg = _cfg(drift_limits=(0.25, 0.25) if "limits" in why else ())
     # Execute
-    diff = correction(node, before, _cfg(), _one_delta([1, 0], 0.5, base=before), [2], 7, PLACE)
+    diff = correction(node, before, cfg, _one_delta([1, 0], 0.5, base=before), [2], 7, PLACE)
     # Assert: none applied, a line naming the node and why; a damaged state is dropped
     assert diff is None
     lines = [r for r in caplog.records if "node 7" in r.getMessage() and why in r.getMessage()]
@@ -129,7 +145,9 @@ def test_a_state_that_cannot_be_used_runs_the_round_uncorrected_and_says_so(
 def test_the_state_is_persisted_with_the_node_and_a_file_without_it_still_loads(tmp_path: Path) -> None:
     # Prepare: a host state with hᵢ, and one as an older client wrote it (no hᵢ)
     m = np.zeros(3, np.float32)
-    with_h = HostState(version=2, round=2, checksum=0, m=m, x=m, drift=np.array([1, 2, 3], np.float32), drift_round=2)
+    h, signs, scales = np.array([1, 2, 3], np.float32), np.array([0b101], np.uint8), np.array([0.5], np.float32)
+    with_h = HostState(version=2, round=2, checksum=0, m=m, x=m, drift=h, drift_round=2)
+    with_h.drift_signs, with_h.drift_scales = signs, scales
     without = HostState(version=2, round=2, checksum=0, m=m, x=m)
     # Execute: written and read back as files
     loaded = []
@@ -139,6 +157,8 @@ def test_the_state_is_persisted_with_the_node_and_a_file_without_it_still_loads(
         loaded.append(HostState.from_parts(meta, arrays, {}, None, b""))
     # Assert
     assert loaded[0].drift is not None and loaded[0].drift.tolist() == [1, 2, 3] and loaded[0].drift_round == 2
+    assert loaded[0].drift_signs is not None and loaded[0].drift_signs.tolist() == [5]
+    assert loaded[0].drift_scales is not None and loaded[0].drift_scales.tolist() == [0.5]
     assert loaded[1].drift is None and loaded[1].drift_round == -1
     assert "drift-round" not in without.meta()  # an old client reads a new file: one key more, nothing less
 
@@ -160,78 +180,80 @@ def test_drift_correction_is_refused_where_it_does_not_apply(kwargs: dict[str, o
 
 
 def test_the_client_refuses_a_drift_correction_key_out_of_range() -> None:
-    record = {"server-round": 1, "version": 0, "beta1": 0.9, "beta2": 0.99, "drift-correction": "x"}
+    record: dict[str, object] = {"server-round": 1, "version": 0, "beta1": 0.9, "beta2": 0.99, "drift-correction": "x"}
     with pytest.raises(ClientStateError, match="drift-correction = 'x'"):
         RoundConfig.parse(record, 3)
     with pytest.raises(ClientStateError, match="'sgd' and 'ef-sign' needed"):
         RoundConfig.parse(record | {"drift-correction": "scaffold"}, 3)
     assert RoundConfig.parse(record | {"drift-correction": "off"}, 3).to_record().get("drift-correction") is None
+    del record["drift-correction"]
+    for bad in ([float("nan")], [-1.0], [2e6], [1]):
+        with pytest.raises(ClientStateError, match="drift-limits"):
+            RoundConfig.parse(record | {"drift-limits": bad}, 3)
+    cfg = RoundConfig.parse(record | {"drift-limits": [0.5, 0.25]}, 3)
+    assert cfg.drift_limits == (0.5, 0.25) and RoundConfig.parse(cfg.to_record(), 3) == cfg
 
 
 # ---------------------------------------------------------------- the sums agree: Σ(c − cᵢ) is the server's residual
-def test_with_full_participation_the_clients_mean_state_minus_h_is_the_servers_error_feedback() -> None:
-    # Prepare: 4 clients on ½‖y − aᵢ‖², 3 tensors, the broadcast a scaled sign with error feedback (no clipping here)
-    torch.manual_seed(0)
-    n, d, sizes, steps, lr = 4, 12, [5, 4, 3], 3, 0.25
-    targets = [torch.randn(d) * (i + 1) for i in range(n)]
-    x, h = torch.zeros(d), torch.zeros(d)
-    states, errors, server_error = [torch.zeros(d)] * n, [None] * n, torch.zeros(d)
-    kind, shape = UPLOADS["ef-sign"], Shape(d, sizes, 1)
-    for _ in range(6):
-        # Execute: one round
-        uploads = []
-        for i in range(n):
-            shift = drift.offset(h - states[i], steps, lr)
-            u = torch.zeros(d)
-            y = x.clone()
-            for _k in range(steps):
-                y -= lr * (y - targets[i] + shift)
-            u = x - y
-            arrays, errors[i] = kind.encode(u, errors[i], shape, torch.Generator(), [])
-            bits = codec.unpack_bits(arrays["signs"].data, d)
-            uploaded = drift.decoded_upload(bits, torch.from_numpy(arrays["scales"].numpy().copy()), sizes)
-            uploads.append(uploaded.clone())
-            states[i] = drift.next_state(uploaded, h - states[i])
-        levels, scales = quantizers.ef_quantize_(torch.stack(uploads).mean(0), server_error, sizes, 2)
-        h = quantizers.dequantize(levels, 2, scales, sizes)
-        x = x - h
-        # Assert: mean hᵢ − h = e, the broadcast's residual, every round
-        torch.testing.assert_close(torch.stack(states).mean(0) - h, server_error, atol=1e-5, rtol=0)
+class _ServerState:
+    server_error: torch.Tensor | None = None
+    outer_momentum: torch.Tensor | None = None
 
 
-def _quadratic_federation(scaffold: bool, rounds: int = 60) -> float:
-    """‖x − x*‖ after ``rounds`` of 4 clients on ½‖y − aᵢ‖² + noise, K = 20, ef-sign up (scales clipped), 1 bit down."""
+def _federation(scaffold: bool, rounds: int, *, noise: float = 0.0, cut: bool = True) -> tuple[float, list[float]]:
+    """4 clients on ½‖y − aᵢ‖² (+ noise), K = 20, ef-sign up, the strategy's own 1-bit mean down (scales clipped).
+
+    The clients run the library's drift math (``cut``: they learn where the server cut their scales, as
+    ``drift-limits`` tells them). Returns ‖x − x*‖ at the end and, each round, max |mean hᵢ − h − e|.
+    """
     torch.manual_seed(0)
     n, d, sizes, steps, lr = 4, 40, [20, 20], 20, 0.1
     targets = [torch.randn(d) * 3 for _ in range(n)]
     kind, shape, g = UPLOADS["ef-sign"], Shape(d, sizes, 1), torch.Generator().manual_seed(1)
-    x, h, server_error = torch.zeros(d), torch.zeros(d), torch.zeros(d)
-    states, errors = [torch.zeros(d)] * n, [None] * n
+    x, h, server = torch.zeros(d), torch.zeros(d), _ServerState()
+    states, errors, kept = [torch.zeros(d)] * n, [None] * n, [None] * n
+    gaps = []
     for t in range(rounds):
         parsed = []
         for i in range(n):
             diff = h - states[i] if scaffold and t else None
             y = x.clone()
             for _k in range(steps):
-                grad = y - targets[i] + 0.3 * torch.randn(d, generator=g)
+                grad = y - targets[i] + noise * torch.randn(d, generator=g)
                 y -= lr * (grad if diff is None else grad + drift.offset(diff, steps, lr))
             arrays, errors[i] = kind.encode(x - y, errors[i], shape, torch.Generator(), [])
             scales = torch.from_numpy(arrays["scales"].numpy().copy())
             bits = codec.unpack_bits(arrays["signs"].data, d)
-            states[i] = drift.next_state(drift.decoded_upload(bits, scales, sizes), diff)
+            states[i], kept[i] = drift.next_state(drift.decoded_upload(bits, scales, sizes), diff), (bits, scales)
             parsed.append(kind.parse(arrays["signs"].data, {"scales": scales}, shape))
-        levels, scales = quantizers.ef_quantize_(kind.total(parsed, shape)[0] / n, server_error, sizes, 2)
-        h = quantizers.dequantize(levels, 2, scales, sizes)
+        step = quantized_delta(parsed, shape, server, kind=kind, how="mean", broadcast_bits=1, momentum=0.0)
+        h = quantizers.dequantize(step.levels, 2, torch.tensor(step.scales), sizes)
         x = x - h
-    return float((x - torch.stack(targets).mean(0)).norm())
+        assert step.limits is not None and server.server_error is not None
+        if cut:  # what each client does at the start of the next round: hᵢ less what the server cut
+            limits = torch.tensor(step.limits)
+            states = [s - drift.clipped_part(*kept[i], limits, sizes) for i, s in enumerate(states)]
+        gaps.append(float((torch.stack(states).mean(0) - h - server.server_error).abs().max()))
+    return float((x - torch.stack(targets).mean(0)).norm()), gaps
+
+
+def test_with_full_participation_the_clients_mean_state_minus_h_is_the_servers_error_feedback() -> None:
+    # Execute: 8 rounds, the server's median clipping included, the clients told where it cut
+    _, gaps = _federation(True, 8)
+    _, uncut = _federation(True, 8, cut=False)
+    # Assert: mean hᵢ − h = e, the broadcast's residual, every round (without the limits it is not)
+    assert max(gaps) < 1e-5
+    assert max(uncut) > 1e-2
 
 
 def test_on_skewed_quadratics_the_correction_reaches_the_optimum_plain_ef_sgd_drifts_from() -> None:
-    # Execute: the same federation (the server's median clipping included), without and with the correction
-    plain, corrected = _quadratic_federation(False), _quadratic_federation(True)
-    print(f"quadratics, 60 rounds: ‖x − x*‖ plain {plain:.3f}, scaffold {corrected:.3f}")
-    # Assert: measured 8.7 against 1.0
-    assert corrected < plain / 4
+    # Execute: the same noisy federation without and with the correction, and with it but without the limits
+    plain, _ = _federation(False, 60, noise=0.3)
+    corrected, _ = _federation(True, 60, noise=0.3)
+    uncut, _ = _federation(True, 60, noise=0.3, cut=False)
+    print(f"quadratics, 60 rounds: ‖x − x*‖ plain {plain:.3f}, scaffold {corrected:.3f}, without limits {uncut:.3f}")
+    # Assert
+    assert corrected < plain / 10 and corrected < uncut
 
 
 # ---------------------------------------------------------------- the server momentum of the 1-bit SGD mode
@@ -241,11 +263,7 @@ def test_server_momentum_on_ef_sign_means_is_fedavgm_in_nesterov_form() -> None:
     d, sizes, mu, n = 10, [6, 4], 0.75, 3
     kind, shape = UPLOADS["ef-sign"], Shape(d, sizes, 1)
 
-    class State:
-        server_error: torch.Tensor | None = None
-        outer_momentum: torch.Tensor | None = None
-
-    state, sent, heavy, v = State(), torch.zeros(d), torch.zeros(d), torch.zeros(d)
+    state, sent, heavy, v = _ServerState(), torch.zeros(d), torch.zeros(d), torch.zeros(d)
     for _ in range(5):
         parsed = []
         for _i in range(n):
@@ -340,5 +358,6 @@ def test_a_two_class_split_federation_applies_the_correction() -> None:
     up = [sum(h["bytes-up"] for h in run[2].history) for run in (plain, corrected)]
     assert abs(up[1] - up[0]) <= 0.001 * up[0]  # the same payloads (their deflated sizes vary by a few bytes)
     extra_down = sum(h["bytes-down"] for h in corrected[2].history) - sum(h["bytes-down"] for h in plain[2].history)
-    assert 0 < extra_down <= 40 * 4 * 25  # the key "drift-correction" in each train message, counted
+    print(f"extra bytes down per train message: {extra_down / (4 * 25):.1f}")
+    assert 0 < extra_down <= 100 * 4 * 25  # the keys drift-correction and drift-limits (2 blocks), counted
     assert corrected[1] > 1.5 / CLASSES and all(h["applied"] for h in corrected[2].history)
