@@ -9,8 +9,9 @@ h, the Δ̂ of the round before as the message brought it. The rule, said plainl
   upload was in another run's round), or a message that is not exactly the one Δ after the
   node's version (a resync with the full model, a catch-up of several Δs, a round that applied
   nothing): uncorrected, hᵢ ← ûᵢ (logged at INFO level);
-* otherwise h = Δ̂ of that one Δ (its levels times its scales, as every replica applies it) and
-  the correction is h − hᵢ.
+* otherwise h = Δ̂ of that one Δ (its levels times its scales, as every replica applies it), hᵢ
+  loses what the server cut of its upload's scales (the message's ``drift-limits``; limits that do
+  not fit its upload: uncorrected, logged) and the correction is h − hᵢ.
 
 hᵢ is never sent: it lives in the node's state (:class:`~.resident.NodeState`, persisted with it).
 """

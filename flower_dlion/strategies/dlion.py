@@ -134,7 +134,7 @@ class DistributedLion(ServerModelStrategy):
     drift_correction : {"off", "scaffold"} (default: "off")
         "scaffold": SCAFFOLD's control variates for the 1-bit SGD client (needs "sgd", "ef-sign", "mean",
         ``broadcast_bits`` ≥ 1, no ``server_momentum``): local steps on g + (h − hᵢ)/(K·η), h the last broadcast,
-        hᵢ ← ûᵢ − (h − hᵢ) the client's (ûᵢ its decoded upload); no extra byte, 4 bytes a parameter on a client;
+        hᵢ ← ûᵢ − (h − hᵢ) the client's (ûᵢ its decoded upload); no extra payload byte, 4 bytes a parameter on a client;
         one that did not upload in the round before runs uncorrected and starts anew (:mod:`flower_dlion.drift`).
     accumulate : int (default: 1)
         Minibatches averaged into each local gradient.

@@ -93,7 +93,8 @@ GROUPS: dict[str, Group] = {
                     "D-Lion family, the 1-bit SGD mode (`local-optimizer` = `sgd`, `upload` = `ef-sign`, "
                     "`strategy` = `dlion-mean`, `broadcast-bits` ≥ 1, no `server-momentum`): `scaffold` runs each "
                     "local SGD step on g + c − cᵢ, SCAFFOLD's control variates with c the last broadcast and cᵢ the "
-                    "client's own (no extra byte; 4 bytes a parameter on each client); `off` = today's client"
+                    "client's own (no extra payload byte, 8 bytes a scale block in each train message's config; "
+                    "about 4 bytes a parameter on each client); `off` = today's client"
                 ),
             ),
             "stale-momentum": Key(
