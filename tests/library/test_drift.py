@@ -23,6 +23,7 @@ from flower_dlion.clients.state_store import read_state_file, write_state_file
 from flower_dlion.protocol import CONFIG, LEVELS_STYPE, SERVER_UPDATE, ClientStateError
 from flower_dlion.round_records import RoundConfig
 from flower_dlion.strategies.server_delta import quantized_delta
+from flower_dlion.strategies.server_state import ServerState
 from flower_dlion.testing import LocalGrid
 from flower_dlion.uploads import UPLOADS, Shape
 
@@ -361,3 +362,16 @@ def test_a_two_class_split_federation_applies_the_correction() -> None:
     print(f"extra bytes down per train message: {extra_down / (4 * 25):.1f}")
     assert 0 < extra_down <= 100 * 4 * 25  # the keys drift-correction and drift-limits (2 blocks), counted
     assert corrected[1] > 1.5 / CLASSES and all(h["applied"] for h in corrected[2].history)
+
+
+def test_partial_participation_runs_and_the_limits_survive_a_checkpoint(caplog: pytest.LogCaptureFixture) -> None:
+    # Execute: half the clients a round, so most sampled nodes missed the round before
+    caplog.set_level(logging.INFO, logger="flower_dlion")
+    _, accuracy, strategy = _run(8, drift_correction="scaffold", fraction_train=0.5, min_train_nodes=2)
+    state = strategy.state.to_dict()
+    # Assert: every round applied, the nodes that missed a round said so, the limits in the checkpoint
+    assert all(h["applied"] for h in strategy.history) and accuracy > 1 / CLASSES
+    assert any("a missed round" in r.getMessage() for r in caplog.records)
+    assert ServerState.from_dict(state).drift_limits == strategy.state.drift_limits is not None
+    del state["drift_limits"]  # a checkpoint written before drift correction
+    assert ServerState.from_dict(state).drift_limits is None
