@@ -351,7 +351,8 @@ class _Reader:
         value = self._get(key, [])
         ok = isinstance(value, list) and len(value) <= 1 << 20
         if not (ok and all(isinstance(v, float) and math.isfinite(v) and 0.0 <= v <= high for v in value)):
-            raise self._refuse(key, value if len(repr(value)) < 200 else "…", f"a list of floats in [0, {high:g}]")
+            shown = [*value[:8], "…"] if isinstance(value, list) and len(value) > 8 else value
+            raise self._refuse(key, shown, f"a list of floats in [0, {high:g}]")
         return tuple(value)
 
     def choice(self, key: str, default: str, choices: tuple[str, ...]) -> str:

@@ -9,8 +9,9 @@ the writers of :mod:`.state_store` take numpy arrays only).
 What is persisted of a node (:class:`HostState`):
 
 * its own state: the Lion momentum m (float32, or the 16 bits of bfloat16), the error-feedback
-  residual e (``upload="ef-sign"``), the drift correction's hᵢ and its round (``drift``, ``drift-round``:
-  :mod:`flower_dlion.drift`; optional, so files without it load), its buffers (``rest``), what it takes
+  residual e (``upload="ef-sign"``), the drift correction's hᵢ, its round and its last upload's signs
+  and scales (``drift``, ``drift-round``, ``drift-signs``, ``drift-scales``: :mod:`flower_dlion.drift`;
+  optional, so files without them load and are the same format), its buffers (``rest``), what it takes
   to undo its last catch-up (``previous``, ``undo``), its version and round;
 * its replica: x itself (the chain downlink), or the anchor's version and the integer counts C
   since it (int8, int16 or int32, the narrowest that holds them) with γ and η (the anchored
