@@ -28,7 +28,6 @@ from flwr.app import Array, RecordDict
 from .. import codec, drift, quantizers
 from ..protocol import CONFIG, SERVER_UPDATE
 from ..round_records import RoundConfig
-from .integrity import check_steps
 from .placement import Placement
 from .resident import NodeState
 
@@ -52,7 +51,8 @@ def correction(
     tensors (cut into ``cfg.scale_block`` blocks here, as the broadcast's scales are). A state that cannot
     be used is dropped here (``node.drift = None``) and the reason logged, naming the node.
     """
-    d, sizes = node.m.numel(), quantizers.scale_blocks(sizes, cfg.scale_block)
+    h, sizes = last_broadcast(content, before, cfg, sizes)  # read first: the checks below only use it
+    d = node.m.numel()
     why = drift.problem(node.drift, d)
     if why is not None:
         level = logging.INFO if node.drift is None else logging.WARNING
@@ -66,7 +66,6 @@ def correction(
                     "round %d runs uncorrected and it starts anew", node_id, node.drift.round,
                     cfg.server_round - 1, cfg.server_round)  # fmt: skip
         return None
-    h = last_broadcast(content, before, cfg, sizes, node_id)
     if h is None:
         logger.info("flower-dlion: node %d: round %d's message is not the one Δ after its version: it runs "
                     "uncorrected and its drift-correction state starts anew", node_id, cfg.server_round)  # fmt: skip
@@ -85,23 +84,24 @@ def correction(
 
 
 def last_broadcast(
-    content: RecordDict, before: int | None, cfg: RoundConfig, sizes: Sequence[int], node_id: int
-) -> torch.Tensor | None:
-    """Δ̂ of the message's one Δ from version ``before`` (float32, host), or None where it brings anything else.
+    content: RecordDict, before: int | None, cfg: RoundConfig, sizes: Sequence[int]
+) -> tuple[torch.Tensor | None, list[int]]:
+    """Δ̂ of the message's one Δ from version ``before`` (float32, host; None where it brings anything else).
 
-    The message was checked and applied already (:mod:`.replica`): its levels decode, its scales are in range.
+    Also returns ``sizes`` cut into the round's scale blocks (``cfg.scale_block``), as the broadcast's
+    scales are. The message was checked and applied already (:mod:`.replica`, :func:`.integrity.check_steps`):
+    its levels decode, its scales and steps are in range.
     """
+    blocks = quantizers.scale_blocks(sizes, cfg.scale_block)
     round_config = content[CONFIG]
     one = before is not None and cfg.version == before + 1 and round_config.get("kind") == "deltas"
     if not (one and int(round_config.get("base-version", -1)) == before and SERVER_UPDATE in content):
-        return None
-    steps = check_steps(round_config, node_id)
-    scales = list(round_config.get("scales", []))
-    if len(steps) != 1 or len(scales) != len(sizes):
-        return None
-    num_levels = steps[0][0]
-    levels = codec.decode_levels(content[SERVER_UPDATE]["payload"].data, num_levels, sum(sizes), torch.int32)
-    return quantizers.dequantize(levels, num_levels, torch.tensor(scales, dtype=torch.float32), sizes)
+        return None, blocks
+    levels, scales = list(round_config["num-levels"]), list(round_config.get("scales", []))
+    if len(levels) != 1 or len(scales) != len(blocks):
+        return None, blocks
+    decoded = codec.decode_levels(content[SERVER_UPDATE]["payload"].data, levels[0], sum(blocks), torch.int32)
+    return quantizers.dequantize(decoded, levels[0], torch.tensor(scales, dtype=torch.float32), blocks), blocks
 
 
 def keep_drift(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -22,7 +23,7 @@ from flwr.app import Array, ArrayRecord, RecordDict
 from .. import codec, drift, lion, quantizers, stochastic
 from ..params import Binding, LossFn, layer_mask
 from ..protocol import MOMENTUM, SIGN_STYPE, bits_array, sync_prefixes, to_array
-from ..round_records import PROXIMAL_LIMIT, RoundConfig
+from ..round_records import RoundConfig
 from ..uploads import UPLOADS, Shape
 from .drift_state import correction, keep_drift
 from .hooks import UploadHook
@@ -32,12 +33,10 @@ from .state import ClientStateError
 
 __all__ = [
     "MOMENTUM_LIMIT",
-    "PROXIMAL_LIMIT",
     "LocalStep",
     "LocalWork",
     "adopt_momentum",
     "age_momentum",
-    "drift_step",
     "local_step",
     "round_generator",
     "round_seed",
@@ -143,7 +142,8 @@ def local_step(cfg: RoundConfig, hook: UploadHook | None = None) -> LocalStep:
     * ``_sgd_then_lion`` (``local-optimizer = "sgd"``): K SGD steps, then one Lion step on
       their change g (FedSMU's client), fused as above where it may be;
     * ``_sgd_ef_sign`` (``local-optimizer = "sgd"``, ``upload = "ef-sign"``): g itself as a
-      scaled sign with error feedback (FedAvg's update, compressed); ``drift-correction``: :func:`drift_step`.
+      scaled sign with error feedback (FedAvg's update, compressed); with ``drift-correction``,
+      ``_sgd_ef_sign_drift``, bound to the round's correction in :func:`run_round`.
     """
     fused = cfg.upload == "sign" and hook is None and cfg.sign_noise == 0.0  # the one-pass path, where K = 1
     if cfg.local_optimizer == "sgd":
@@ -292,18 +292,24 @@ def _sgd_ef_sign(
     return r.encode(r.sgd(), 1, hook, flips, r.perturb)
 
 
-def drift_step(diff: torch.Tensor | None, placement: Placement) -> LocalStep:
-    """``_sgd_ef_sign`` with SCAFFOLD's h − hᵢ (None: uncorrected), hᵢ kept (:mod:`flower_dlion.drift`)."""
-
-    def step(state: NodeState, cfg: RoundConfig, sizes: list[int], work: LocalWork, *rest: Any) -> dict[str, Array]:
-        gen, hook, flips = rest
-        shift = None if diff is None else drift.offset(diff, cfg.local_steps, cfg.local_lr)  # (h − hᵢ)/(K·η)
-        r = _Round(state, cfg, sizes, work, gen, shift)
-        arrays = r.encode(r.sgd(), 1, hook, flips, r.perturb)
-        keep_drift(state, arrays, r.sizes, diff, cfg.server_round, placement)  # hᵢ ← ûᵢ − (h − hᵢ)
-        return arrays
-
-    return step
+def _sgd_ef_sign_drift(
+    state: NodeState,
+    cfg: RoundConfig,
+    sizes: list[int],
+    work: LocalWork,
+    gen: torch.Generator,
+    hook: UploadHook | None,
+    flips: list[int],
+    *,
+    diff: torch.Tensor | None,
+    placement: Placement,
+) -> dict[str, Array]:
+    """``_sgd_ef_sign`` with SCAFFOLD's h − hᵢ (None: uncorrected), hᵢ kept; a :data:`LocalStep` once bound."""
+    shift = None if diff is None else drift.offset(diff, cfg.local_steps, cfg.local_lr)  # (h − hᵢ)/(K·η)
+    r = _Round(state, cfg, sizes, work, gen, shift)
+    arrays = r.encode(r.sgd(), 1, hook, flips, r.perturb)
+    keep_drift(state, arrays, r.sizes, diff, cfg.server_round, placement)  # hᵢ ← ûᵢ − (h − hᵢ)
+    return arrays
 
 
 def run_round(
@@ -338,22 +344,18 @@ def run_round(
     device = placement.device
     age_momentum(node, before, cfg)
     step = local_step(cfg, hook)  # steps 2–3 for the round's options, chosen once
-    if cfg.drift_correction != "off":  # SCAFFOLD's h − hᵢ of the round (flower_dlion.drift), or None
-        step = drift_step(correction(node, before, cfg, content, spec.sizes, node_id, placement), placement)
     if here.grad is None:
         here.grad = torch.empty(spec.d, device=device)
+    replica = (node.replica.x, node.replica.ident)
     work = LocalWork(
-        bound,
-        loss_fn,
-        batches,
-        accumulate=cfg.accumulate,
-        out=here.grad,
-        replica=(node.replica.x, node.replica.ident),
-        node_id=node_id,
+        bound, loss_fn, batches, accumulate=cfg.accumulate, out=here.grad, replica=replica, node_id=node_id
     )
     gen = round_generator(device, seed, key, server_round)  # coin flips for exact zeros
     mask = adopt_momentum(node, content, cfg, placement=placement, layout=spec.layout, node_id=node_id)
     bound.load_rest_(node.rest)
+    if cfg.drift_correction != "off":  # SCAFFOLD's h − hᵢ of the round (flower_dlion.drift), or None: uncorrected
+        diff = correction(node, before, cfg, content, spec.sizes, node_id, placement)
+        step = partial(_sgd_ef_sign_drift, diff=diff, placement=placement)
     flips: list[int] = []
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(round_seed(seed, key, server_round, 1))  # the batches' shuffles, dropout

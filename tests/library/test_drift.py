@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import zlib
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,7 @@ from torch import nn
 
 from flower_dlion import DistributedLion, DLionClient, codec, drift, quantizers
 from flower_dlion.clients.drift_state import correction
-from flower_dlion.clients.local_work import drift_step
+from flower_dlion.clients.local_work import _sgd_ef_sign_drift
 from flower_dlion.clients.placement import Placement
 from flower_dlion.clients.resident import NodeState, Replica
 from flower_dlion.clients.state import HostState
@@ -65,7 +66,9 @@ def test_two_corrected_sgd_steps_on_a_quadratic_give_the_hand_computed_upload_an
     # Prepare: x = (1, −1), g(y) = y, K = 2, η = 0.5, h − hᵢ = (0.25, 0.5): c − cᵢ = (h − hᵢ)/(K·η) = (0.25, 0.5)
     node, diff = _node([1.0, -1.0]), torch.tensor([0.25, 0.5])
     # Execute
-    arrays = drift_step(diff, PLACE)(node, _cfg(), [2], _Work(torch.zeros(2)), torch.Generator(), None, [])  # type: ignore[arg-type]
+    arrays = partial(_sgd_ef_sign_drift, diff=diff, placement=PLACE)(
+        node, _cfg(), [2], _Work(torch.zeros(2)), torch.Generator(), None, []
+    )  # type: ignore[arg-type]
     # Assert: y₁ = (0.375, −0.75), y₂ = (0.0625, −0.625), u = x − y₂ = (0.9375, −0.375) = η·Σg + (h − hᵢ);
     # scale mean|u| = 0.65625, û = (0.65625, −0.65625), e = u − û, hᵢ ← û − (h − hᵢ)
     assert codec.unpack_bits(arrays["signs"].data, 2).tolist() == [True, False]
@@ -77,7 +80,9 @@ def test_two_corrected_sgd_steps_on_a_quadratic_give_the_hand_computed_upload_an
 def test_an_uncorrected_round_is_plain_sgd_and_keeps_its_decoded_upload() -> None:
     # Prepare / Execute: no correction (diff None): y₁ = (0.5, −0.5), y₂ = (0.25, −0.25), u = (0.75, −0.75)
     node = _node([1.0, -1.0])
-    drift_step(None, PLACE)(node, _cfg(), [2], _Work(torch.zeros(2)), torch.Generator(), None, [])  # type: ignore[arg-type]
+    partial(_sgd_ef_sign_drift, diff=None, placement=PLACE)(
+        node, _cfg(), [2], _Work(torch.zeros(2)), torch.Generator(), None, []
+    )  # type: ignore[arg-type]
     # Assert: hᵢ = û
     assert node.drift is not None and node.drift.h.tolist() == [0.75, -0.75]
 
