@@ -48,6 +48,10 @@ Not with the server's momentum (``server_momentum`` > 0 is refused): the broadca
 Δ̄ + μ·M, not the clients' mean update, and using it as c feeds the momentum back into every
 client's update (a loop with gain above 1); its c would need M on every client.
 
+**Not stable yet on real skew:** with 2 classes per client on Fashion-MNIST (K = 100) it diverged at
+local lr 0.1 and 0.03 where the uncorrected client trains (docs/USER_GUIDE.md has the cells): the
+correction needs a smaller local lr, as SCAFFOLD itself does.
+
 Imports torch only. Reference: S. P. Karimireddy et al., "SCAFFOLD: Stochastic Controlled
 Averaging for Federated Learning", ICML 2020.
 """
