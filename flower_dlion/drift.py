@@ -32,9 +32,10 @@ client at a fixed point corrects only half its drift (uᵢ = (η·K·gᵢ + h)/2
 the server's mean was exactly the clients' mean hᵢ. But ûᵢ = uᵢ + eᵢ,ₜ₋₁ − eᵢ,ₜ, and the next round's
 correction then hands the quantization error back a second time, on top of the error feedback that
 already repays it: the error-feedback input becomes ... + 2·eᵢ,ₜ − eᵢ,ₜ₋₁ (a double root at 1 of
-z² − 2z + 1). On flat quadratics hᵢ was 1.8× larger than with uᵢ, and on 2 classes per client of
-Fashion-MNIST the federation diverged (docs/USER_GUIDE.md has the cells). SCAFFOLD's option II
-itself uses the client's own x − y_K, as here.
+z² − 2z + 1). On 2 classes per client of Fashion-MNIST that first rule diverged at local lr 0.1
+(docs/RESULTS.md has the cells), and on the skewed quadratics of tests/library/test_drift.py it
+ended 0.34 from the optimum against 0.263 with uᵢ. SCAFFOLD's option II itself uses the client's
+own x − y_K, as here.
 
 Why the sums agree (full participation, hᵢ = h = 0 in round 1): write Dₜ = mean hᵢ − h at the
 start of round t (hᵢ after the cut). The mean of the new hᵢ is mean (uᵢ − cutᵢ) + Dₜ, the server's
