@@ -11,36 +11,46 @@ II) everything is kept in units of a round's update, ``h = K·η·c``::
                          hᵢ  = its own state, made in round t−1
                          y₀ = x,  yₖ₊₁ = yₖ − η·(g(yₖ) + (h − hᵢ)/(K·η))    = SCAFFOLD's g + c − cᵢ
                          uᵢ = x − y_K = η·Σₖ g(yₖ) + (h − hᵢ)
-                         ûᵢ = sⱼ·sign(uᵢ + eᵢ) per block j          the upload as the server decodes it
-                         hᵢ ← ûᵢ − (h − hᵢ)                          = cᵢ − c + (x − y_K)/(K·η), times K·η
+                         ûᵢ = sⱼ·sign(uᵢ + eᵢ) per block j          the upload (error feedback eᵢ)
+                         hᵢ ← uᵢ − (h − hᵢ)                          = cᵢ − c + (x − y_K)/(K·η), times K·η
     server:              Δ̄ₜ = mean of the decoded uploads, each scale cut to the round's lower median λⱼ
                          Δ̂ₜ = Q(Δ̄ₜ + e)                          unchanged: one scaled sign, error feedback
                          sends λ with round t+1's config (``drift-limits``)
     client i, round t+1: hᵢ ← hᵢ − clipped_part(ûᵢ, λ)              hᵢ as the server counted the upload
 
-So hᵢ is the client's own drift-free update of the round (η·Σₖ g(yₖ), plus what its error
-feedback held back), and ``h − hᵢ`` moves each local step by the gap between the federation's
-last mean update and the client's own: a client whose data pulls x away from the others' is
-pulled back. **No payload byte is added**: h is the Δ every in-sync client already receives
-(scale × sign), and hᵢ never leaves the client. What is added is in each train message's config:
-the keys ``drift-correction`` and ``drift-limits`` (8 bytes a scale block: about 70 bytes a message
-for a 2-tensor model, measured), counted in ``bytes-down`` like everything sent. Client memory:
-hᵢ (float32, 4d bytes) and the last upload's signs and scales (d/8 bytes + 4 a block), persisted
-with the node's state. Not the naive ``cᵢ = ûᵢ/(K·η)``: with that, a client at a fixed point
-corrects only half its drift (uᵢ = (η·K·gᵢ + h)/2).
+So hᵢ is the client's own drift-free update of the round, η·Σₖ g(yₖ), and ``h − hᵢ`` moves each
+local step by the gap between the federation's last mean update and the client's own: a client whose
+data pulls x away from the others' is pulled back. **No payload byte is added**: h is the Δ every
+in-sync client already receives (scale × sign), and hᵢ never leaves the client. What is added is in
+each train message's config: the keys ``drift-correction`` and ``drift-limits`` (8 bytes a scale
+block: about 70 bytes a message for a 2-tensor model, measured), counted in ``bytes-down`` like
+everything sent. Client memory: hᵢ (float32, 4d bytes) and the last upload's signs and scales (d/8
+bytes + 4 a block), persisted with the node's state. Not the naive ``cᵢ = uᵢ/(K·η)``: with that, a
+client at a fixed point corrects only half its drift (uᵢ = (η·K·gᵢ + h)/2).
+
+**hᵢ from uᵢ, not from the decoded upload ûᵢ.** The first version kept hᵢ ← ûᵢ − (h − hᵢ), so that
+the server's mean was exactly the clients' mean hᵢ. But ûᵢ = uᵢ + eᵢ,ₜ₋₁ − eᵢ,ₜ, and the next round's
+correction then hands the quantization error back a second time, on top of the error feedback that
+already repays it: the error-feedback input becomes ... + 2·eᵢ,ₜ − eᵢ,ₜ₋₁ (a double root at 1 of
+z² − 2z + 1). On 2 classes per client of Fashion-MNIST that first rule diverged at local lr 0.1
+(docs/RESULTS.md has the cells), and on the skewed quadratics of tests/library/test_drift.py it
+ended 0.34 from the optimum against 0.263 with uᵢ. SCAFFOLD's option II itself uses the client's
+own x − y_K, as here.
 
 Why the sums agree (full participation, hᵢ = h = 0 in round 1): write Dₜ = mean hᵢ − h at the
-start of round t (hᵢ after the cut). The mean of the new hᵢ is mean ũᵢ + mean hᵢ − h = Δ̄ₜ + Dₜ
-(ũᵢ: the upload as the server counted it), and the broadcast is Δ̂ₜ = Δ̄ₜ + eₜ₋₁ − eₜ (its error
-feedback e). Hence ``Dₜ₊₁ = Dₜ + Δ̄ₜ − Δ̂ₜ = eₜ``: Σᵢ (c − cᵢ) = −n·eₜ/(K·η), the server's
-error-feedback residual, bounded, never accumulated (tests/library/test_drift.py checks it each
-round). Without the limits the clipped mass would accumulate in D, a leak of the federation's
+start of round t (hᵢ after the cut). The mean of the new hᵢ is mean (uᵢ − cutᵢ) + Dₜ, the server's
+mean is Δ̄ₜ = mean (uᵢ + eᵢ,ₜ₋₁ − eᵢ,ₜ − cutᵢ) (cutᵢ: what it clipped off upload i), and its
+broadcast is Δ̂ₜ = Δ̄ₜ + eₜ₋₁ − eₜ (its own error feedback e). Hence
+``Dₜ₊₁ = Dₜ + mean (eᵢ,ₜ − eᵢ,ₜ₋₁) + eₜ − eₜ₋₁ = eₜ + mean eᵢ,ₜ``: Σᵢ (c − cᵢ) is −n/(K·η) times the
+server's and the clients' error-feedback residuals, bounded, never accumulated
+(tests/library/test_drift.py checks it each round): what the residuals hold back, they repay
+in later uploads and broadcasts. Without the limits the clipped mass would accumulate in D, a leak of the federation's
 mean update (measured on quadratics: 1.02 from the optimum against 0.34 with them, 8.7 without
 correction). What still breaks the identity, and the client's rule makes transient:
 
 * **Partial participation** (a node sampled in round t that did not upload in round t−1, a new
   node, a node resynced with the full model): its hᵢ is not paired with the Δ̂ it now receives.
-  It runs the round **uncorrected** (h − hᵢ := 0) and starts anew, hᵢ ← ûᵢ; SCAFFOLD's stale
+  It runs the round **uncorrected** (h − hᵢ := 0) and starts anew, hᵢ ← uᵢ; SCAFFOLD's stale
   cᵢ is not kept. Sparse sampling thus degrades to the plain ef-sgd client, not to a wrong c.
 * **A refused reply**: the server's mean lacks that upload, the client does not know it.
 
@@ -48,9 +58,11 @@ Not with the server's momentum (``server_momentum`` > 0 is refused): the broadca
 Δ̄ + μ·M, not the clients' mean update, and using it as c feeds the momentum back into every
 client's update (a loop with gain above 1); its c would need M on every client.
 
-**Not stable yet on real skew:** with 2 classes per client on Fashion-MNIST (K = 100) it diverged at
-local lr 0.1 and 0.03 where the uncorrected client trains (docs/USER_GUIDE.md has the cells): the
-correction needs a smaller local lr, as SCAFFOLD itself does.
+**It did not help on real skew** (docs/RESULTS.md, "Drift correction and server momentum under strong
+skew: tuning"): with 2 classes per client on Fashion-MNIST (n = 8, K = 100, 15 rounds) it ended below
+the uncorrected client at local lr 0.1 (one client's loss went NaN in round 3; the first rule
+diverged outright) and at 0.01 (stable, lower); SCAFFOLD itself needed lr 0.003 on that split.
+Server momentum (``server_momentum=0.5``) is the lever that helped there.
 
 Imports torch only. Reference: S. P. Karimireddy et al., "SCAFFOLD: Stochastic Controlled
 Averaging for Federated Learning", ICML 2020.
@@ -125,9 +137,9 @@ def offset(diff: torch.Tensor, steps: int, local_lr: float) -> torch.Tensor:
     return diff / (steps * local_lr)
 
 
-def next_state(uploaded: torch.Tensor, diff: torch.Tensor | None) -> torch.Tensor:
-    """The client's new hᵢ = ûᵢ − (h − hᵢ), in place on ``uploaded`` (``diff`` None: ran uncorrected, hᵢ ← ûᵢ)."""
-    return uploaded if diff is None else uploaded.sub_(diff)
+def next_state(update: torch.Tensor, diff: torch.Tensor | None) -> torch.Tensor:
+    """The client's new hᵢ = uᵢ − (h − hᵢ), a new tensor (``update``: uᵢ = x − y_K; ``diff`` None: hᵢ ← uᵢ)."""
+    return update.clone() if diff is None else update - diff
 
 
 def decoded_upload(bits: torch.Tensor, scales: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:

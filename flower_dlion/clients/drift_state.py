@@ -4,11 +4,11 @@ The math is :mod:`flower_dlion.drift`. Here: whether the node's state hᵢ may b
 h, the Δ̂ of the round before as the message brought it. The rule, said plainly:
 
 * hᵢ missing (a new node, a state saved without it), of the wrong shape, or non-finite: the node
-  starts anew (a log line names it and why), runs this round uncorrected, and keeps hᵢ ← ûᵢ;
+  starts anew (a log line names it and why), runs this round uncorrected, and keeps hᵢ ← uᵢ;
 * hᵢ made in an older round than the one before this (the node missed a round, or its last
   upload was in another run's round), or a message that is not exactly the one Δ after the
   node's version (a resync with the full model, a catch-up of several Δs, a round that applied
-  nothing): uncorrected, hᵢ ← ûᵢ (logged at INFO level);
+  nothing): uncorrected, hᵢ ← uᵢ (logged at INFO level);
 * otherwise h = Δ̂ of that one Δ (its levels times its scales, as every replica applies it), hᵢ
   loses what the server cut of its upload's scales (the message's ``drift-limits``; limits that do
   not fit its upload: uncorrected, logged) and the correction is h − hᵢ.
@@ -104,20 +104,12 @@ def last_broadcast(
     return quantizers.dequantize(decoded, levels[0], torch.tensor(scales, dtype=torch.float32), blocks), blocks
 
 
-def keep_drift(
-    node: NodeState,
-    arrays: dict[str, Array],
-    sizes: Sequence[int],
-    diff: torch.Tensor | None,
-    rnd: int,
-    placement: Placement,
-) -> None:
-    """hᵢ ← ûᵢ − (h − hᵢ) into ``node.drift`` (of round ``rnd``), ûᵢ decoded from the upload as the server does.
+def keep_drift(node: NodeState, h_new: torch.Tensor, arrays: dict[str, Array], rnd: int) -> None:
+    """Keep ``h_new`` = uᵢ − (h − hᵢ) (:func:`flower_dlion.drift.next_state`) as ``node.drift`` of round ``rnd``.
 
-    ``diff``: the round's h − hᵢ (None: it ran uncorrected, hᵢ ← ûᵢ); ``sizes``: the scale blocks.
+    With it the upload's signs and scales (host copies), until the next round's message says where the
+    server cut the scales (:func:`correction`).
     """
-    signs = np.frombuffer(arrays["signs"].data, dtype=np.uint8).copy()  # kept until the server says where it cut
+    signs = np.frombuffer(arrays["signs"].data, dtype=np.uint8).copy()
     scales = arrays["scales"].numpy().astype(np.float32, copy=True)
-    bits = placement.to_device(codec.unpack_bits(signs, node.m.numel()).numpy(), "drift")
-    uploaded = drift.decoded_upload(bits, placement.to_device(scales, "drift"), sizes)
-    node.drift = drift.Drift(drift.next_state(uploaded, diff), rnd, signs, scales)
+    node.drift = drift.Drift(h_new, rnd, signs, scales)

@@ -302,13 +302,14 @@ def _sgd_ef_sign_drift(
     flips: list[int],
     *,
     diff: torch.Tensor | None,
-    placement: Placement,
 ) -> dict[str, Array]:
     """``_sgd_ef_sign`` with SCAFFOLD's h − hᵢ (None: uncorrected), hᵢ kept; a :data:`LocalStep` once bound."""
     shift = None if diff is None else drift.offset(diff, cfg.local_steps, cfg.local_lr)  # (h − hᵢ)/(K·η)
     r = _Round(state, cfg, sizes, work, gen, shift)
-    arrays = r.encode(r.sgd(), 1, hook, flips, r.perturb)
-    keep_drift(state, arrays, r.sizes, diff, cfg.server_round, placement)  # hᵢ ← ûᵢ − (h − hᵢ)
+    u = r.sgd()
+    h_new = drift.next_state(u, diff)  # hᵢ ← uᵢ − (h − hᵢ), before the encoding adds the error feedback to u
+    arrays = r.encode(u, 1, hook, flips, r.perturb)
+    keep_drift(state, h_new, arrays, cfg.server_round)
     return arrays
 
 
@@ -355,7 +356,7 @@ def run_round(
     bound.load_rest_(node.rest)
     if cfg.drift_correction != "off":  # SCAFFOLD's h − hᵢ of the round (flower_dlion.drift), or None: uncorrected
         diff = correction(node, before, cfg, content, spec.sizes, node_id, placement)
-        step = partial(_sgd_ef_sign_drift, diff=diff, placement=placement)
+        step = partial(_sgd_ef_sign_drift, diff=diff)
     flips: list[int] = []
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(round_seed(seed, key, server_round, 1))  # the batches' shuffles, dropout

@@ -132,10 +132,10 @@ class DistributedLion(ServerModelStrategy):
         the client's copy back toward the round's x (FedProx's term, inside the local Lion or SGD
         steps). Needs ``local_steps`` > 1; 0 turns it off.
     drift_correction : {"off", "scaffold"} (default: "off")
-        "scaffold": SCAFFOLD's control variates for the 1-bit SGD client (needs "sgd", "ef-sign", "mean",
-        ``broadcast_bits`` ≥ 1, no ``server_momentum``): local steps on g + (h − hᵢ)/(K·η), h the last broadcast,
-        hᵢ ← ûᵢ − (h − hᵢ) the client's (ûᵢ its decoded upload); no extra payload byte, 4 bytes a parameter on a client;
-        one that did not upload in the round before runs uncorrected and starts anew (:mod:`flower_dlion.drift`).
+        Experimental. "scaffold": SCAFFOLD's control variates for the 1-bit SGD client (needs "sgd", "ef-sign",
+        "mean", ``broadcast_bits`` ≥ 1, no ``server_momentum``): local steps on g + (h − hᵢ)/(K·η), h the last
+        broadcast, hᵢ ← uᵢ − (h − hᵢ) (uᵢ = x − y_K); no extra payload byte, 4 bytes a parameter on a client;
+        a node that missed the round before runs uncorrected and starts anew (:mod:`flower_dlion.drift`).
     accumulate : int (default: 1)
         Minibatches averaged into each local gradient.
     upload : {"sign", "sum", "ef-sign"} (default: "sign")

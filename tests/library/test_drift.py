@@ -66,25 +66,25 @@ def test_two_corrected_sgd_steps_on_a_quadratic_give_the_hand_computed_upload_an
     # Prepare: x = (1, −1), g(y) = y, K = 2, η = 0.5, h − hᵢ = (0.25, 0.5): c − cᵢ = (h − hᵢ)/(K·η) = (0.25, 0.5)
     node, diff = _node([1.0, -1.0]), torch.tensor([0.25, 0.5])
     # Execute
-    arrays = partial(_sgd_ef_sign_drift, diff=diff, placement=PLACE)(
+    arrays = partial(_sgd_ef_sign_drift, diff=diff)(
         node, _cfg(), [2], _Work(torch.zeros(2)), torch.Generator(), None, []
     )  # type: ignore[arg-type]
     # Assert: y₁ = (0.375, −0.75), y₂ = (0.0625, −0.625), u = x − y₂ = (0.9375, −0.375) = η·Σg + (h − hᵢ);
-    # scale mean|u| = 0.65625, û = (0.65625, −0.65625), e = u − û, hᵢ ← û − (h − hᵢ)
+    # scale mean|u| = 0.65625, û = (0.65625, −0.65625), e = u − û; hᵢ ← u − (h − hᵢ) = η·Σg, not û − (h − hᵢ)
     assert codec.unpack_bits(arrays["signs"].data, 2).tolist() == [True, False]
     assert arrays["scales"].numpy().tolist() == [0.65625]
     assert node.error is not None and node.error.tolist() == [0.28125, 0.28125]
-    assert node.drift is not None and node.drift.h.tolist() == [0.40625, -1.15625] and node.drift.round == 5
+    assert node.drift is not None and node.drift.h.tolist() == [0.6875, -0.875] and node.drift.round == 5
+    assert node.drift.signs is not None and node.drift.signs.tolist() == [0b10000000]
+    assert node.drift.scales is not None and node.drift.scales.tolist() == [0.65625]
 
 
-def test_an_uncorrected_round_is_plain_sgd_and_keeps_its_decoded_upload() -> None:
-    # Prepare / Execute: no correction (diff None): y₁ = (0.5, −0.5), y₂ = (0.25, −0.25), u = (0.75, −0.75)
-    node = _node([1.0, -1.0])
-    partial(_sgd_ef_sign_drift, diff=None, placement=PLACE)(
-        node, _cfg(), [2], _Work(torch.zeros(2)), torch.Generator(), None, []
-    )  # type: ignore[arg-type]
-    # Assert: hᵢ = û
-    assert node.drift is not None and node.drift.h.tolist() == [0.75, -0.75]
+def test_an_uncorrected_round_is_plain_sgd_and_keeps_its_own_update_not_the_decoded_upload() -> None:
+    # Prepare / Execute: no correction (diff None): y₁ = (0.5, −0.25), y₂ = (0.25, −0.125), u = (0.75, −0.375)
+    node = _node([1.0, -0.5])
+    partial(_sgd_ef_sign_drift, diff=None)(node, _cfg(), [2], _Work(torch.zeros(2)), torch.Generator(), None, [])  # type: ignore[arg-type]
+    # Assert: hᵢ = u (the decoded upload would be 0.5625·(1, −1))
+    assert node.drift is not None and node.drift.h.tolist() == [0.75, -0.375]
 
 
 # ---------------------------------------------------------------- the state's life cycle
@@ -200,7 +200,7 @@ def test_the_client_refuses_a_drift_correction_key_out_of_range() -> None:
     assert cfg.drift_limits == (0.5, 0.25) and RoundConfig.parse(cfg.to_record(), 3) == cfg
 
 
-# ---------------------------------------------------------------- the sums agree: Σ(c − cᵢ) is the server's residual
+# ---------------------------------------------------------------- the sums agree: Σ(c − cᵢ) is the residuals'
 class _ServerState:
     server_error: torch.Tensor | None = None
     outer_momentum: torch.Tensor | None = None
@@ -210,7 +210,8 @@ def _federation(scaffold: bool, rounds: int, *, noise: float = 0.0, cut: bool = 
     """4 clients on ½‖y − aᵢ‖² (+ noise), K = 20, ef-sign up, the strategy's own 1-bit mean down (scales clipped).
 
     The clients run the library's drift math (``cut``: they learn where the server cut their scales, as
-    ``drift-limits`` tells them). Returns ‖x − x*‖ at the end and, each round, max |mean hᵢ − h − e|.
+    ``drift-limits`` tells them). Returns ‖x − x*‖ at the end and, each round, max |mean hᵢ − h − e − mean eᵢ|
+    (e the server's error-feedback residual, eᵢ the clients').
     """
     torch.manual_seed(0)
     n, d, sizes, steps, lr = 4, 40, [20, 20], 20, 0.1
@@ -227,10 +228,10 @@ def _federation(scaffold: bool, rounds: int, *, noise: float = 0.0, cut: bool = 
             for _k in range(steps):
                 grad = y - targets[i] + noise * torch.randn(d, generator=g)
                 y -= lr * (grad if diff is None else grad + drift.offset(diff, steps, lr))
+            states[i] = drift.next_state(x - y, diff)
             arrays, errors[i] = kind.encode(x - y, errors[i], shape, torch.Generator(), [])
             scales = torch.from_numpy(arrays["scales"].numpy().copy())
-            bits = codec.unpack_bits(arrays["signs"].data, d)
-            states[i], kept[i] = drift.next_state(drift.decoded_upload(bits, scales, sizes), diff), (bits, scales)
+            kept[i] = codec.unpack_bits(arrays["signs"].data, d), scales
             parsed.append(kind.parse(arrays["signs"].data, {"scales": scales}, shape))
         step = quantized_delta(parsed, shape, server, kind=kind, how="mean", broadcast_bits=1, momentum=0.0)
         h = quantizers.dequantize(step.levels, 2, torch.tensor(step.scales), sizes)
@@ -239,15 +240,16 @@ def _federation(scaffold: bool, rounds: int, *, noise: float = 0.0, cut: bool = 
         if cut:  # what each client does at the start of the next round: hᵢ less what the server cut
             limits = torch.tensor(step.limits)
             states = [s - drift.clipped_part(*kept[i], limits, sizes) for i, s in enumerate(states)]
-        gaps.append(float((torch.stack(states).mean(0) - h - server.server_error).abs().max()))
+        residuals = server.server_error + torch.stack(errors).mean(0)
+        gaps.append(float((torch.stack(states).mean(0) - h - residuals).abs().max()))
     return float((x - torch.stack(targets).mean(0)).norm()), gaps
 
 
-def test_with_full_participation_the_clients_mean_state_minus_h_is_the_servers_error_feedback() -> None:
+def test_with_full_participation_the_clients_mean_state_minus_h_is_the_error_feedback_residuals() -> None:
     # Execute: 8 rounds, the server's median clipping included, the clients told where it cut
     _, gaps = _federation(True, 8)
     _, uncut = _federation(True, 8, cut=False)
-    # Assert: mean hᵢ − h = e, the broadcast's residual, every round (without the limits it is not)
+    # Assert: mean hᵢ − h = e + mean eᵢ, the broadcast's and the uploads' residuals, each round (not without the limits)
     assert max(gaps) < 1e-5
     assert max(uncut) > 1e-2
 
