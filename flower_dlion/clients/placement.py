@@ -27,8 +27,8 @@ is labelled by its purpose:
 ``"e-persist"``,          the error-feedback residual and buffers
 ``"rest-persist"``        persisted every message
 ``"drift-persist"``       drift correction's hᵢ persisted every message (4·d)
-``"drift"``               drift correction to the device: h, the upload's signs (d) and
-                          scales each round, and the cut of its scales (4·d each)
+``"drift"``               drift correction to the device: h each round, and the cut of
+                          the last upload's scales (4·d each)
 ``"delta"``               received bytes to the device (the packed Δ, the packed counts)
 ``"buffers"``             the buffers a round sends the server
 ``"load"``                a persisted state to the device (a node not resident)
