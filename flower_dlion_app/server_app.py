@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import secrets
 import time
-import uuid
 from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from logging import ERROR, INFO, WARNING
@@ -380,7 +380,9 @@ class Federation:
         self.model = MODELS[cfg["model"]]()  # the same x₀ as model.seeded_net(seed), which init = "seed" clients build
         self.initial = ArrayRecord(self.model.state_dict())
         self.eval_name, self.eval_x, self.eval_y = evaluation_set(cfg)
-        state_key = uuid.uuid4().hex if cfg["client-state-dir"] else ""  # kept across resumes (in the strategy)
+        # kept across resumes (in the strategy); as long as the strategy's own random key, so that the
+        # messages, and the bytes measured, are the same with or without the state files
+        state_key = secrets.token_hex(8) if cfg["client-state-dir"] else ""
         self.strategy = build_strategy(cfg, state_key)
         self.metered = MeteredGrid(grid, poll_interval=cfg["poll-interval"] or None)
         self.num_rounds = cfg["num-server-rounds"]
@@ -409,6 +411,8 @@ class Federation:
         self.strategy.load_state_dict(ckpt["strategy"])
         self.initial = self.strategy.arrays()
         self.start_round = int(ckpt["round"]) + 1
+        if isinstance(self.strategy, DistributedLion):
+            self.strategy.checkpoint_round = int(ckpt["round"])  # clients need no state file older than it
         self.metered.exchanges = [Exchange(**e) for e in ckpt["exchanges"]]
         torch.set_rng_state(ckpt["torch-rng"])
         log(INFO, "[flower-dlion] resuming from %s after round %d", self.cfg["resume"], self.start_round - 1)

@@ -9,6 +9,13 @@ so a cell's result does not depend on how many cells run at once; the thread cou
 model's SHA-256 (``final_model_sha256``, `model_digest`) are recorded, so two runs of a cell can
 be compared bit for bit. While a cell runs, its log lines start with ``[<cell name>]``.
 
+A cell with ``checkpoint_every`` K (the study's ``checkpoint-every``) runs with the app's own
+checkpoints (``checkpoint-every`` K, its clients' state in files under ``<out>/work/<name>/``), so
+a cell killed mid-run goes on from its last checkpoint when the sweep runs again (`resume_keys`),
+to the same final model, bit for bit, as a run never stopped. Only a checkpoint of the same run
+config and thread count is resumed; another is said and the cell starts over. The checkpoint and
+the state files are removed once the cell's JSON is written.
+
 `check_partitions` computes each cell's partitions as its clients will
 (`flower_dlion_app.study.coverage`): a cell whose partitioning gives some class to no client, or
 some client no data, is refused with the cell, its partition and what is missing, unless the
@@ -23,6 +30,7 @@ import importlib
 import json
 import logging
 import os
+import shutil
 import warnings
 from collections import defaultdict
 from pathlib import Path
@@ -31,7 +39,7 @@ from typing import Any
 from flower_dlion_app.study.coverage import cell_coverage, describe
 from flower_dlion_app.study.studyfile import Cell, StudyError
 
-__all__ = ["check_partitions", "model_digest", "run_cell"]
+__all__ = ["check_partitions", "model_digest", "resume_keys", "run_cell"]
 
 
 def _ran_on(device: str) -> str:
@@ -160,7 +168,7 @@ def _run_cell(cell: Cell, out: Path) -> dict[str, Any]:
     if describe(check) and not cell.allow_empty:
         raise StudyError(_refusal(f"cell {cell.name}", [(cell, check)]))
     work = out / "work" / cell.name
-    cfg = {**cell.run_config, "results-dir": str(work)}
+    cfg = {**cell.run_config, "results-dir": str(work), **resume_keys(cell, work)}
     digest = None
     try:
         result = run_federation(LocalGrid(client_app, cell.num_clients, run_config=cfg), cfg, save_model=False)
@@ -201,4 +209,40 @@ def _run_cell(cell: Cell, out: Path) -> dict[str, Any]:
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(record, indent=1) + "\n")
     os.replace(tmp, path)  # atomic: a cell file is either complete or absent
+    for done in (work / "checkpoint.pt", work / _STAMP):  # the cell is done: nothing to resume
+        done.unlink(missing_ok=True)
+    shutil.rmtree(work / "client-state", ignore_errors=True)
     return record
+
+
+_STAMP = "cell.json"  # beside a cell's checkpoint: the run config's key and the thread count it was written with
+
+
+def resume_keys(cell: Cell, work: Path) -> dict[str, Any]:
+    """The run-config keys that make a cell resumable, with ``resume`` when an interrupted run of it left a checkpoint.
+
+    With ``cell.checkpoint_every`` 0: none. Otherwise `Cell.checkpoint_config`, and ``resume`` =
+    ``<work>/checkpoint.pt`` if that file is readable and was written by this cell's run config and
+    thread count (``<work>/cell.json``). Any other checkpoint is said and the cell starts over in an
+    emptied ``work`` folder.
+    """
+    keys = cell.checkpoint_config(work)
+    if not keys:
+        return {}
+    ckpt, stamp = work / "checkpoint.pt", {"key": cell.key(), "threads": cell.threads}
+    if ckpt.is_file():
+        from flower_dlion_app.checkpoint import load_checkpoint
+
+        try:
+            if json.loads((work / _STAMP).read_text()) != stamp:
+                raise ValueError("it was written with another run config or thread count")
+            after = load_checkpoint(ckpt)["round"]
+        except (OSError, ValueError) as err:
+            print(f"[sweep] {cell.name}: not resuming from {ckpt} ({err}): starting over", flush=True)
+        else:
+            print(f"[sweep] {cell.name}: resuming from {ckpt} after round {after}", flush=True)
+            return {**keys, "resume": str(ckpt)}
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    (work / _STAMP).write_text(json.dumps(stamp) + "\n")
+    return keys

@@ -11,6 +11,7 @@ strategy's hyperparameters (a list value sweeps that key, e.g. for tuning)::
     seeds = [0]
     seeds-by-clients = {"8" = [0, 1, 2]}   # optional: more seeds for some numbers of clients
     threads = 1                          # optional: torch's CPU threads in every cell (default 1)
+    checkpoint-every = 10                # optional: a cell's checkpoint interval in rounds (0: none)
     allow-empty = false                  # optional: run partitions that leave a class or a client out
 
     [common]                             # run config of every cell
@@ -42,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flower_dlion_app.config import STRATEGIES, read_config
+from flower_dlion_app.config import DLION_STRATEGIES, FEDAVG_FAMILY, STRATEGIES, read_config
 
 __all__ = ["STUDY_KEYS", "Cell", "StudyError", "cell_matches", "load_study", "parse_partition"]
 
@@ -57,6 +58,8 @@ STUDY_KEYS = {
     "threads": "torch's CPU threads in every cell: an integer >= 1 (default 1)",
     "allow-empty": "whether to run cells whose partitions leave a class or a client without data: "
     "true or false (default false)",
+    "checkpoint-every": "rounds between a cell's checkpoints, from which an interrupted cell goes on (our "
+    "strategies; Flower's FedAvg family has none): an integer >= 0, 0 for none (default 10)",
 }
 REQUIRED = ("strategies", "num-clients", "partitions", "seeds")
 
@@ -78,10 +81,24 @@ class Cell:
     run_config: dict[str, Any]
     threads: int = 1  # torch's CPU threads while the cell runs
     allow_empty: bool = False  # run even if the partitions leave a class or a client without data
+    checkpoint_every: int = 0  # rounds between the cell's checkpoints (0: none); not part of its result
 
     def key(self) -> str:
         """Hash of the run config: a cell file with another key is stale."""
         return hashlib.sha256(json.dumps(self.run_config, sort_keys=True).encode()).hexdigest()[:16]
+
+    def checkpoint_config(self, work: Path) -> dict[str, Any]:
+        """The run-config keys of the cell's checkpoints in folder ``work`` (none with ``checkpoint_every`` 0).
+
+        ``checkpoint-every``, and for D-Lion, whose clients keep state, ``client-state-dir``
+        (``<work>/client-state`` unless the cell names one), so that a resumed cell finds it.
+        """
+        if not self.checkpoint_every:
+            return {}
+        keys: dict[str, Any] = {"checkpoint-every": self.checkpoint_every}
+        if self.strategy in DLION_STRATEGIES:
+            keys["client-state-dir"] = self.run_config.get("client-state-dir") or str(work / "client-state")
+        return keys
 
 
 def parse_partition(spec: str) -> dict[str, Any]:
@@ -134,7 +151,8 @@ def _check_study_table(path: Path, spec: dict[str, Any]) -> dict[str, Any]:
     missing = [k for k in REQUIRED if k not in study]
     if missing:
         raise StudyError(f"{path}: [study] misses {', '.join(missing)} ({'; '.join(STUDY_KEYS[k] for k in missing)})")
-    study = {"out": "study", "seeds-by-clients": {}, "threads": 1, "allow-empty": False, **study}
+    defaults = {"out": "study", "seeds-by-clients": {}, "threads": 1, "allow-empty": False, "checkpoint-every": 10}
+    study = {**defaults, **study}
 
     def bad(key: str) -> StudyError:
         return StudyError(f"{path}: [study] {key} = {_toml(study[key])}: expected {STUDY_KEYS[key]}")
@@ -169,6 +187,8 @@ def _check_study_table(path: Path, spec: dict[str, Any]) -> dict[str, Any]:
         raise bad("threads")
     if not isinstance(study["allow-empty"], bool):
         raise bad("allow-empty")
+    if not _is_int(study["checkpoint-every"]) or study["checkpoint-every"] < 0:
+        raise bad("checkpoint-every")
     return study
 
 
@@ -223,13 +243,15 @@ def load_study(path: Path) -> tuple[Path, list[Cell]]:
                     cfg.update({"strategy": strategy, "seed": seed})
                     extra = "".join(f"_{k}{_short(v)}" for k, v in zip(swept, values, strict=True))
                     name = f"{label}_{part}_n{n}_s{seed}{extra}"
-                    try:
-                        read_config(cfg)  # fail early on a bad key or value
+                    every = 0 if strategy in FEDAVG_FAMILY else study["checkpoint-every"]  # Flower's: no checkpoints
+                    cell = Cell(
+                        name, strategy, label, n, part, seed, cfg, study["threads"], study["allow-empty"], every
+                    )
+                    try:  # fail early on a bad key or value
+                        read_config({**cfg, **cell.checkpoint_config(out / "work" / name)})
                     except ValueError as err:
                         raise StudyError(f"{path}: cell {name}: {err}") from err
-                    cells.append(
-                        Cell(name, strategy, label, n, part, seed, cfg, study["threads"], study["allow-empty"])
-                    )
+                    cells.append(cell)
     cells.sort(key=lambda c: c.seed)  # every setting's first seed before any extra seed
     return out, cells
 

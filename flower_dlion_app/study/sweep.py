@@ -8,8 +8,9 @@ The study file's format and its checks are in `flower_dlion_app.study.studyfile`
 run, and the check of its partitions, in `flower_dlion_app.study.runner`.
 
 A finished cell is one JSON file ``<out>/cells/<name>.json`` (with its per-round CSV beside it);
-a cell whose file exists with the same run config and thread count is skipped, so an
-interrupted sweep resumes where it stopped.
+a cell whose file exists with the same run config and thread count is skipped, and a cell
+killed mid-run goes on from its last checkpoint (the study's ``checkpoint-every``,
+`flower_dlion_app.study.runner.resume_keys`), so an interrupted sweep resumes where it stopped.
 
 A cell's result does not depend on ``--workers``: every cell runs with ``threads`` torch CPU
 threads (the study's ``threads``, default 1), whichever number of workers runs it, each worker

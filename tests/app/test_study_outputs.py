@@ -1,9 +1,14 @@
 """What a researcher gets from the study harness: reproducible cells, checked partitions, CSVs, plots, a report."""
 
 import csv
+import dataclasses
 import json
 import logging
+import os
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -11,10 +16,12 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord
 
+from flower_dlion_app.checkpoint import load_checkpoint, save_checkpoint
 from flower_dlion_app.study import report, robustness, sweep, timemodel
 from flower_dlion_app.study.coverage import cell_coverage, describe, partition_coverage
 from flower_dlion_app.study.outputs import CSV_COLUMNS, cell_logging
 from flower_dlion_app.study.plots import LINESTYLES, MARKERS, PALETTE, method_style, seed_band
+from flower_dlion_app.study.runner import resume_keys
 from tests.app.test_data_config import fake_fashion_dir, write_idx
 
 STUDY = """
@@ -143,6 +150,116 @@ def test_the_threads_key_sets_every_cells_thread_count(fake_data: str, tmp_path:
     assert [c.threads for c in cells] == [3, 3] and not any(c.allow_empty for c in cells)
 
 
+# ---------------------------------------------------------------- a cell killed mid-run goes on from its checkpoint
+KILLED_SWEEP = """
+import functools, os, signal, sys
+from pathlib import Path
+import flower_dlion.testing
+from flower_dlion_app.study import sweep
+def hook(node_id, reply):
+    if reply.metadata.group_id == "4":  # killed in round 4, after a client trained (and saved its state)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return reply
+flower_dlion.testing.LocalGrid = functools.partial(flower_dlion.testing.LocalGrid, reply_hook=hook)
+sweep.run_sweep(Path(sys.argv[1]))
+"""
+
+
+def test_a_cell_killed_mid_run_goes_on_from_its_checkpoint_to_the_same_model(
+    fake_data: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Prepare: a 5-round cell of the SGD mode with error feedback and server momentum (client and server
+    # state), run without checkpoints, with one every 2 rounds, and with them but killed (SIGKILL) in round 4
+    mode = """
+[strategy.dlion-mean]
+local-optimizer = "sgd"
+local-steps = 2
+local-lr = 0.1
+upload = "ef-sign"
+lr = 1.0
+weight-decay = 0.0
+broadcast-bits = 1
+server-momentum = 0.5
+"""
+    kw = {"strategies": '["dlion-mean"]', "rounds": 5}
+    studies = {
+        run: write_study(tmp_path / run / "study.toml", fake_data, extra=f"checkpoint-every = {every}", **kw)
+        for run, every in (("plain", 0), ("straight", 2), ("killed", 2))
+    }
+    for study in studies.values():
+        study.write_text(study.read_text() + mode)
+    assert [c.checkpoint_every for c in sweep.load_study(studies["killed"])[1]] == [2]
+    sweep.run_sweep(studies["plain"])
+    sweep.run_sweep(studies["straight"])
+    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
+    proc = subprocess.run([sys.executable, "-c", KILLED_SWEEP, str(studies["killed"])], env=env, capture_output=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    work = tmp_path / "killed" / "out" / "work" / "dlion-mean_iid_n2_s0"
+    assert load_checkpoint(work / "checkpoint.pt")["round"] == 2 and not (work.parent.parent / "cells").exists()
+    capsys.readouterr()
+    # Execute: the sweep again
+    sweep.run_sweep(studies["killed"])
+    # Assert: it went on after round 2, to the uninterrupted run's rows and model, bit for bit; nothing left
+    assert f"resuming from {work / 'checkpoint.pt'} after round 2" in capsys.readouterr().out
+    plain, straight, killed = (
+        json.loads((s.parent / "out" / "cells" / "dlion-mean_iid_n2_s0.json").read_text()) for s in studies.values()
+    )
+    for record in (plain, straight, killed):
+        for row in record["evals"]:
+            row.pop("wall_time_s")
+    assert straight["evals"][:3] == killed["evals"][:3] and [r["round"] for r in killed["evals"]] == [0, 1, 2, 3, 4, 5]
+    learned = [[(r["accuracy"], r["loss"], r["train_loss"]) for r in c["evals"]] for c in (straight, killed)]
+    assert learned[0] == learned[1]
+    # the resumed server greets its nodes again in round 3 (a hello each): counted, once
+    extra = {(b["cum_bytes_up"] - a["cum_bytes_up"], b["cum_bytes_down"] - a["cum_bytes_down"])
+             for a, b in zip(straight["evals"][3:], killed["evals"][3:], strict=True)}  # fmt: skip
+    assert len(extra) == 1 and min(extra.pop()) > 0
+    assert plain["final_model_sha256"] == straight["final_model_sha256"] == killed["final_model_sha256"]
+    assert killed["summary"]["resumed_from_round"] == 2 and straight["summary"]["resumed_from_round"] is None
+    assert sorted(p.name for p in work.iterdir()) == ["results.jsonl", "summary.json"]
+    # … and checkpoints change nothing learned; each train message names the rounds of the clients' state files
+    for a, b in zip(plain["evals"], straight["evals"], strict=True):
+        assert (a["accuracy"], a["loss"], a["cum_bytes_up"]) == (b["accuracy"], b["loss"], b["cum_bytes_up"])
+        assert (
+            0 <= b["cum_bytes_down"] - a["cum_bytes_down"] <= 40 * 2 * a["round"]
+        )  # measured: 19 B, 37 B after a checkpoint
+
+
+def test_only_a_checkpoint_of_the_same_run_config_and_threads_is_resumed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Prepare: a cell and a checkpoint in its work folder
+    cell = sweep.Cell("c", "dlion-vote", "dlion-vote", 2, "iid", 0, {"strategy": "dlion-vote", "lr": 0.001},
+                      checkpoint_every=5)  # fmt: skip
+    work = tmp_path / "work" / "c"
+    state = {"checkpoint-every": 5, "client-state-dir": str(work / "client-state")}
+    assert resume_keys(cell, work) == state  # nothing to resume: an empty folder and the cell's stamp
+    save_checkpoint(work / "checkpoint.pt", {"round": 3})
+    # Execute / Assert: the same cell resumes it
+    assert resume_keys(cell, work) == {**state, "resume": str(work / "checkpoint.pt")}
+    assert "c: resuming from" in capsys.readouterr().out
+    # … another thread count, another run config, or an unreadable file: said, and the cell starts over
+    for other in (dataclasses.replace(cell, threads=2), dataclasses.replace(cell, run_config={"lr": 0.002})):
+        save_checkpoint(work / "checkpoint.pt", {"round": 3})
+        assert resume_keys(other, work) == state
+        assert "not resuming from" in capsys.readouterr().out and list(work.iterdir()) == [work / "cell.json"]
+    resume_keys(cell, work)  # the cell's own stamp again
+    (work / "checkpoint.pt").write_bytes(b"not a checkpoint")
+    assert resume_keys(cell, work) == state and "not a readable flower-dlion checkpoint" in capsys.readouterr().out
+    assert resume_keys(dataclasses.replace(cell, checkpoint_every=0), work) == {}
+
+
+def test_flowers_strategies_have_no_checkpoints_and_ours_default_to_every_10_rounds(tmp_path: Path) -> None:
+    study = write_study(tmp_path / "study.toml", "/nowhere", strategies='["fedavg", "dlion-vote", "global-lion"]')
+    _, cells = sweep.load_study(study)
+    work = tmp_path / "w"
+    assert {c.strategy: c.checkpoint_config(work) for c in cells} == {
+        "fedavg": {},
+        "dlion-vote": {"checkpoint-every": 10, "client-state-dir": str(work / "client-state")},  # clients' state
+        "global-lion": {"checkpoint-every": 10},  # stateless clients
+    }
+
+
 # ---------------------------------------------------------------- bad study files say key, value and what is allowed
 @pytest.mark.parametrize(
     ("extra", "message"),
@@ -152,7 +269,8 @@ def test_the_threads_key_sets_every_cells_thread_count(fake_data: str, tmp_path:
         ('allow-empty = "no"', '[study] allow-empty = "no": expected whether to run cells whose partitions leave a '
                                "class or a client without data: true or false (default false)"),
         ("allow_empty = true", "[study] allow_empty = true: unknown key; allowed: out, strategies, num-clients, "
-                               "partitions, seeds, seeds-by-clients, threads, allow-empty"),
+                               "partitions, seeds, seeds-by-clients, threads, allow-empty, checkpoint-every"),
+        ("checkpoint-every = -1", "[study] checkpoint-every = -1: expected rounds between a cell's checkpoints"),
         ('seeds-by-clients = {"8" = 1}', '[study] seeds-by-clients = {"8": 1}: expected a table from a number of '
                                          "clients to a list of integer seeds"),
     ],
