@@ -380,8 +380,8 @@ class Federation:
         self.model = MODELS[cfg["model"]]()  # the same x₀ as model.seeded_net(seed), which init = "seed" clients build
         self.initial = ArrayRecord(self.model.state_dict())
         self.eval_name, self.eval_x, self.eval_y = evaluation_set(cfg)
-        # kept across resumes (in the strategy); as long as the strategy's own random key, so that the
-        # messages, and the bytes measured, are the same with or without the state files
+        # kept across resumes (in the strategy); as long as the strategy's own random key, so that the key
+        # costs the messages the same bytes with or without the state files
         state_key = secrets.token_hex(8) if cfg["client-state-dir"] else ""
         self.strategy = build_strategy(cfg, state_key)
         self.metered = MeteredGrid(grid, poll_interval=cfg["poll-interval"] or None)
